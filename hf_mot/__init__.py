@@ -1,0 +1,25 @@
+"""hf_mot: continue one LLM from another LLM's KV cache with a Mixture-of-Translators."""
+
+from transformers import AutoConfig, AutoModel
+
+from .alignment import TokenAlignment
+from .cache import TranslatedCache
+from .configuration_mot import MoTConfig
+from .models import load_model
+from .modeling_mot import MoTOutput, MoTTranslator
+from .pipeline import translate_context
+
+__version__ = "0.1.0"
+
+AutoConfig.register(MoTConfig.model_type, MoTConfig, exist_ok=True)
+AutoModel.register(MoTConfig, MoTTranslator, exist_ok=True)
+
+__all__ = [
+    "MoTConfig",
+    "MoTOutput",
+    "MoTTranslator",
+    "TokenAlignment",
+    "TranslatedCache",
+    "load_model",
+    "translate_context",
+]

@@ -1,0 +1,73 @@
+"""TranslatedCache: the target-space KV cache that `generate()` continues from."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+
+
+class TranslatedCache(DynamicCache):
+    r"""
+    A [`~transformers.DynamicCache`] of the target model, filled with translated keys and values.
+
+    It is built from the target's config, so Gemma 3's sliding-window layers get the target's own
+    sliding-window cache layers. Pass it to `generate()` as the cache with only the new tokens as `input_ids`.
+
+    Args:
+        config (`PretrainedConfig`): the target model's config.
+        attention_mask (`torch.LongTensor` of shape `(batch, context_tokens)`): mask of the (left-padded)
+            contexts; the `generate()` mask is this mask with ones appended for the new tokens.
+        source_id (`str`) / target_id (`str`): which models the cache was translated from and for.
+        injection_mode (`str`): `"full"` or `"window"`.
+
+    Example:
+
+    ```python
+    >>> cache = translate_context(document, translator=translator, source_model=src, source_tokenizer=src_tok,
+    ...                           target_model=tgt, target_tokenizer=tgt_tok)
+    >>> prompt = tgt_tok(" Answer:", return_tensors="pt", add_special_tokens=False).input_ids
+    >>> mask = cache.generation_mask(prompt.shape[1])
+    >>> out = tgt.generate(input_ids=prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=16)
+    ```
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        attention_mask: torch.Tensor,
+        source_id: str = "",
+        target_id: str = "",
+        injection_mode: str = "full",
+    ):
+        super().__init__(config=config)
+        self.attention_mask = attention_mask
+        self.source_id = source_id
+        self.target_id = target_id
+        self.injection_mode = injection_mode
+        self.num_context_tokens = attention_mask.shape[1]
+        # Layers whose next `update()` must store translated states instead of the ones the target computed.
+        self._injections: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def inject(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make the next `update()` of `layer_idx` store (and attend to) `keys`/`values` instead."""
+        self._injections[layer_idx] = (keys, values)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # Every attention layer of transformers 5.x hands its new states to `update()` and attends to what it
+        # returns, which is what lets `window` mode inject translated layers into any architecture.
+        injected = self._injections.pop(layer_idx, None)
+        if injected is not None:
+            keys, values = injected
+            if keys.shape != key_states.shape:
+                raise ValueError(
+                    f"Injected keys for layer {layer_idx} have shape {tuple(keys.shape)} but the target computed "
+                    f"{tuple(key_states.shape)}: the translator does not match this target model."
+                )
+            key_states, value_states = keys.to(key_states.dtype), values.to(value_states.dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def generation_mask(self, num_new_tokens: int) -> torch.Tensor:
+        """The `attention_mask` for `generate()`: the context mask with ones for `num_new_tokens` new tokens."""
+        ones = torch.ones(self.attention_mask.shape[0], num_new_tokens, dtype=self.attention_mask.dtype)
+        return torch.cat([self.attention_mask, ones.to(self.attention_mask.device)], dim=1)

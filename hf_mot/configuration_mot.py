@@ -1,0 +1,177 @@
+"""Configuration of a Mixture-of-Translators KV-cache translator."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from .kv import KVLayout
+
+LAYER_ALIGNMENTS = ("uniform", "bottom", "top")
+INJECTION_MODES = ("full", "window")
+INITS = ("random", "identity")
+
+
+class MoTConfig(PretrainedConfig):
+    r"""
+    Configuration of a [`MoTTranslator`], which maps one model's KV cache (the source) into another's (the target).
+
+    Args:
+        source (`dict`): the source model's cache layout and identity, as recorded by [`KVLayout`]
+            (model type, depth, KV heads, head dim, vocab size, tokenizer fingerprint, ...).
+        target (`dict`): the same for the target model.
+        hidden_size (`int`, *optional*, defaults to 256): width of the translator's token representation.
+        expert_hidden_size (`int`, *optional*, defaults to 256): inner width of each expert MLP.
+        num_experts (`int`, *optional*, defaults to 4): translator experts per mixture (keys and values each
+            have their own mixture).
+        num_experts_per_token (`int`, *optional*, defaults to 2): experts the router picks for each token (top-k
+            softmax gating).
+        source_window (`int`, *optional*, defaults to 3): how many adjacent source layers feed each target layer.
+        layer_alignment (`str`, *optional*, defaults to `"uniform"`): which source layers a target layer reads:
+            `"uniform"` spreads the target depth over the source depth, `"bottom"` pairs layers from the first
+            layer up, `"top"` from the last layer down.
+        injection_mode (`str`, *optional*, defaults to `"full"`): `"full"` translates every target layer and
+            the target runs no pass over the context; `"window"` translates the layers
+            `[injection_start, injection_start + injection_layers)` and the target replays the context through
+            its own layers with that window injected.
+        injection_start (`int`, *optional*, defaults to 0): first injected target layer in `"window"` mode.
+        injection_layers (`int`, *optional*): number of injected target layers in `"window"` mode (defaults to
+            a quarter of the target depth, at least one).
+        init (`str`, *optional*, defaults to `"random"`): `"identity"` builds the exact identity translator,
+            which only makes sense with the same model on both sides (the oracle of the test suite).
+        initializer_range (`float`, *optional*, defaults to 0.02): std of the random weight init.
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoConfig
+    >>> from hf_mot import MoTConfig
+    >>> config = MoTConfig.from_models(source_config, target_config, num_experts=4)
+    >>> config.target["num_layers"]
+    18
+    ```
+    """
+
+    model_type = "mot"
+
+    source: dict | None = None
+    target: dict | None = None
+    hidden_size: int = 256
+    expert_hidden_size: int = 256
+    num_experts: int = 4
+    num_experts_per_token: int = 2
+    source_window: int = 3
+    layer_alignment: str = "uniform"
+    injection_mode: str = "full"
+    injection_start: int = 0
+    injection_layers: int | None = None
+    init: str = "random"
+    initializer_range: float = 0.02
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        for name, allowed in (
+            ("layer_alignment", LAYER_ALIGNMENTS),
+            ("injection_mode", INJECTION_MODES),
+            ("init", INITS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
+        for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "source_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if self.num_experts_per_token > self.num_experts:
+            raise ValueError(
+                f"`num_experts_per_token` ({self.num_experts_per_token}) must be <= `num_experts` "
+                f"({self.num_experts})."
+            )
+        if self.source is None or self.target is None:
+            return
+        source, target = self.source_layout, self.target_layout
+        if self.source_window > source.num_layers:
+            raise ValueError(
+                f"`source_window` ({self.source_window}) exceeds the source depth ({source.num_layers} layers)."
+            )
+        if self.injection_layers is None and self.injection_mode == "window":
+            self.injection_layers = max(1, target.num_layers // 4)
+        start, count = self.produced_layer_range()
+        if start < 0 or count < 1 or start + count > target.num_layers:
+            raise ValueError(
+                f"The injection window [{start}, {start + count}) does not fit the target's {target.num_layers} "
+                "layers: choose `injection_start` and `injection_layers` inside it."
+            )
+        if self.init == "identity":
+            self._check_identity_possible()
+
+    @property
+    def source_layout(self) -> KVLayout:
+        return KVLayout.from_dict(self.source)
+
+    @property
+    def target_layout(self) -> KVLayout:
+        return KVLayout.from_dict(self.target)
+
+    def produced_layer_range(self) -> tuple[int, int]:
+        """`(first target layer, number of layers)` that this translator produces."""
+        if self.injection_mode == "full":
+            return 0, self.target["num_layers"]
+        return self.injection_start, self.injection_layers
+
+    def source_layers_for(self, target_layer: int) -> list[int]:
+        """The window of source layers that feeds `target_layer`."""
+        n_src, n_tgt = self.source["num_layers"], self.target["num_layers"]
+        if self.layer_alignment == "uniform":
+            center = round(target_layer * (n_src - 1) / max(n_tgt - 1, 1))
+        elif self.layer_alignment == "bottom":
+            center = min(target_layer, n_src - 1)
+        else:
+            center = max(n_src - n_tgt + target_layer, 0)
+        first = center - (self.source_window - 1) // 2
+        first = min(max(first, 0), n_src - self.source_window)
+        return list(range(first, first + self.source_window))
+
+    def _check_identity_possible(self) -> None:
+        source, target = self.source_layout, self.target_layout
+        if source.shape_signature() != target.shape_signature():
+            raise ValueError(
+                "`init='identity'` needs the same model on both sides, got source "
+                f"{source.describe()} and target {target.describe()}. Use `init='random'` for a model pair."
+            )
+        if self.source_window != 1 or self.hidden_size != target.feature_size:
+            raise ValueError(
+                "`init='identity'` needs `source_window=1` and `hidden_size` equal to the KV width "
+                f"({target.feature_size}); got {self.source_window} and {self.hidden_size}. "
+                "`MoTConfig.from_models(cfg, cfg, init='identity')` sets both."
+            )
+
+    @classmethod
+    def from_models(
+        cls,
+        source_config: PretrainedConfig,
+        target_config: PretrainedConfig,
+        *,
+        source_tokenizer=None,
+        target_tokenizer=None,
+        **options,
+    ) -> MoTConfig:
+        """Derive a config from the two model configs (and, if given, the tokenizers' fingerprints).
+
+        Args:
+            source_config / target_config (`PretrainedConfig`): configs of the source and target models.
+            source_tokenizer / target_tokenizer (*optional*): recorded as fingerprints so that the translator
+                refuses a tokenizer it was not built for.
+            options: any other [`MoTConfig`] field. With `init="identity"`, `source_window` and `hidden_size`
+                default to the values the identity needs.
+        """
+        from .kv import tokenizer_fingerprint
+
+        source = KVLayout.from_config(
+            source_config, tokenizer_fingerprint(source_tokenizer) if source_tokenizer is not None else None
+        )
+        target = KVLayout.from_config(
+            target_config, tokenizer_fingerprint(target_tokenizer) if target_tokenizer is not None else None
+        )
+        if options.get("init") == "identity":
+            options.setdefault("source_window", 1)
+            options.setdefault("hidden_size", target.feature_size)
+            options.setdefault("layer_alignment", "bottom")
+        return cls(source=source.to_dict(), target=target.to_dict(), **options)

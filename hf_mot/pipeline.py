@@ -1,0 +1,223 @@
+"""From text to a TranslatedCache: tokenize for both models, align, read the source cache, translate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from ._compat import cache_kwarg, returned_cache
+from .alignment import TokenAlignment, align_spans, build_alignment
+from .cache import TranslatedCache
+from .kv import KVLayout, SourceKV, finish_target_keys, positions_from_mask, read_source_cache, tokenizer_fingerprint
+from .modeling_mot import MoTTranslator
+
+
+@dataclass
+class EncodedContext:
+    """A left-padded batch of contexts tokenized by one tokenizer, with character offsets."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    spans: list[list[tuple[int, int]]]
+    special: list[list[bool]]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(s) for s in self.spans]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return positions_from_mask(self.attention_mask)
+
+
+def _check_contexts(context: str | list[str]) -> list[str]:
+    contexts = [context] if isinstance(context, str) else context
+    if not isinstance(contexts, (list, tuple)) or not all(isinstance(c, str) for c in contexts):
+        raise TypeError(f"`context` must be a string or a list of strings, got {type(context).__name__}.")
+    if not contexts:
+        raise ValueError("`context` is an empty list: pass at least one context string.")
+    for i, text in enumerate(contexts):
+        if not text.strip():
+            raise ValueError(f"`context[{i}]` is empty or whitespace only: there is nothing to translate.")
+    return list(contexts)
+
+
+def encode_contexts(tokenizer: PreTrainedTokenizerBase, contexts: list[str], device=None) -> EncodedContext:
+    """Tokenize each context (with the tokenizer's special tokens, e.g. BOS) and left-pad the batch."""
+    spans, special, ids = [], [], []
+    for text in contexts:
+        encoded = tokenizer(
+            text, add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True
+        )
+        ids.append(encoded["input_ids"])
+        spans.append([tuple(span) for span in encoded["offset_mapping"]])
+        special.append([bool(flag) for flag in encoded["special_tokens_mask"]])
+    longest = max(len(i) for i in ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.full((len(ids), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(ids), longest), dtype=torch.long)
+    for row, token_ids in enumerate(ids):
+        input_ids[row, longest - len(token_ids) :] = torch.tensor(token_ids, dtype=torch.long)
+        attention_mask[row, longest - len(token_ids) :] = 1
+    return EncodedContext(input_ids.to(device), attention_mask.to(device), spans, special)
+
+
+def align_contexts(
+    source: EncodedContext, target: EncodedContext, *, same_tokenizer: bool = False
+) -> TokenAlignment:
+    """Align a batch of target-tokenized contexts onto the same contexts tokenized for the source."""
+    identical = same_tokenizer and torch.equal(source.input_ids, target.input_ids)
+    rows = None
+    if not identical:
+        rows = [
+            align_spans(s_spans, t_spans, s_special, t_special)
+            for s_spans, t_spans, s_special, t_special in zip(source.spans, target.spans, source.special, target.special)
+        ]
+    return build_alignment(rows, source.lengths, target.lengths, is_identity=identical)
+
+
+@torch.no_grad()
+def prefill_source(model: PreTrainedModel, encoded: EncodedContext) -> Cache:
+    """Read the contexts with the source model and return its cache.
+
+    The cache is a plain `DynamicCache()` (not built from the config), so sliding-window layers keep every
+    context token: the translator needs all of them.
+    """
+    cache = DynamicCache()
+    decoder = model.get_decoder()
+    outputs = decoder(
+        input_ids=encoded.input_ids,
+        attention_mask=encoded.attention_mask,
+        position_ids=encoded.position_ids,
+        use_cache=True,
+        **{cache_kwarg(decoder): cache},
+    )
+    return returned_cache(outputs)
+
+
+def _check_devices_and_dtypes(translator: MoTTranslator, source: SourceKV, target_model: PreTrainedModel) -> None:
+    key = source.keys[0]
+    for name, device in (("translator", translator.device), ("target_model", target_model.device)):
+        if device.type != key.device.type:
+            raise ValueError(
+                f"`{name}` is on {device} but the source cache is on {key.device}: move both models and the "
+                f"translator to one device (`.to('{key.device}')`)."
+            )
+    if not key.dtype.is_floating_point:
+        raise TypeError(f"The source cache holds {key.dtype} tensors; a floating point cache is needed.")
+
+
+def build_translated_cache(
+    translator: MoTTranslator,
+    source: SourceKV,
+    alignment: TokenAlignment,
+    target_model: PreTrainedModel,
+    target: EncodedContext,
+    *,
+    injection_mode: str | None = None,
+    source_id: str = "",
+) -> TranslatedCache:
+    """Translate position-free source KV and place it in a `TranslatedCache` of the target.
+
+    In `"full"` mode every target layer comes from the translator. In `"window"` mode the translator's layers
+    are injected into the target's own pass over the context (the target's other layers compute natively).
+    """
+    mode = injection_mode or translator.config.injection_mode
+    _check_devices_and_dtypes(translator, source, target_model)
+    target_layout = KVLayout.from_config(target_model.config)
+    if mode == "full" and len(translator.produced_layers) != target_layout.num_layers:
+        raise ValueError(
+            f"`injection_mode='full'` needs every target layer, but this translator produces layers "
+            f"{translator.produced_layers[0]}-{translator.produced_layers[-1]} only: use `injection_mode='window'`."
+        )
+    translated = translator(source.keys, source.values, alignment)
+    positions = target.position_ids
+    dtype = target_model.dtype
+    cache = TranslatedCache(
+        target_model.config,
+        attention_mask=target.attention_mask,
+        source_id=source_id,
+        target_id=target_model.config.name_or_path,
+        injection_mode=mode,
+    )
+    for layer_idx, keys, values in zip(translated.layers, translated.keys, translated.values):
+        keys = finish_target_keys(target_model, layer_idx, keys.to(dtype), positions)
+        if mode == "full":
+            cache.update(keys, values.to(dtype), layer_idx)
+        else:
+            cache.inject(layer_idx, keys, values.to(dtype))
+    if mode == "window":
+        decoder = target_model.get_decoder()
+        decoder(
+            input_ids=target.input_ids,
+            attention_mask=target.attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_kwarg(decoder): cache},
+        )
+    return cache
+
+
+@torch.no_grad()
+def translate_context(
+    context: str | list[str],
+    *,
+    translator: MoTTranslator,
+    source_model: PreTrainedModel,
+    source_tokenizer: PreTrainedTokenizerBase,
+    target_model: PreTrainedModel,
+    target_tokenizer: PreTrainedTokenizerBase,
+    source_cache: Cache | None = None,
+    injection_mode: str | None = None,
+) -> TranslatedCache:
+    """Translate what the source model read into a cache the target model can continue from.
+
+    Args:
+        context (`str` or `list[str]`): the context text; a list makes a left-padded batch.
+        translator ([`MoTTranslator`]): a translator built for this (source, target) pair.
+        source_model / source_tokenizer: the model that reads the context (or already has).
+        target_model / target_tokenizer: the model that continues from the translated cache.
+        source_cache (`transformers.Cache`, *optional*): the source model's cache of exactly this context
+            (tokenized by `source_tokenizer` with special tokens, left-padded). Given, the source does not read
+            the context again.
+        injection_mode (`str`, *optional*): `"full"` or `"window"`; defaults to the translator's config.
+
+    Returns:
+        [`TranslatedCache`]: pass it to `target_model.generate()` with only the new tokens as `input_ids`.
+
+    Example:
+
+    ```python
+    >>> cache = translate_context(document, translator=translator, source_model=src, source_tokenizer=src_tok,
+    ...                           target_model=tgt, target_tokenizer=tgt_tok)
+    >>> cache.get_seq_length()
+    212
+    ```
+    """
+    contexts = _check_contexts(context)
+    translator.check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
+    device = source_model.device
+    source_enc = encode_contexts(source_tokenizer, contexts, device)
+    target_enc = encode_contexts(target_tokenizer, contexts, target_model.device)
+    limit = KVLayout.from_config(target_model.config).max_positions
+    if limit is not None and target_enc.input_ids.shape[1] > limit:
+        raise ValueError(
+            f"`context` is {target_enc.input_ids.shape[1]} target tokens long but the target model holds at most "
+            f"{limit}: shorten the context or split it; nothing is truncated silently."
+        )
+    same_tokenizer = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
+    alignment = align_contexts(source_enc, target_enc, same_tokenizer=same_tokenizer)
+    if source_cache is None:
+        source_cache = prefill_source(source_model, source_enc)
+    source = read_source_cache(source_cache, source_model, source_enc.attention_mask, source_enc.position_ids)
+    return build_translated_cache(
+        translator,
+        source,
+        alignment,
+        target_model,
+        target_enc,
+        injection_mode=injection_mode,
+        source_id=source_model.config.name_or_path,
+    )
