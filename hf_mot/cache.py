@@ -65,7 +65,26 @@ class TranslatedCache(DynamicCache):
                     f"{tuple(key_states.shape)}: the translator does not match this target model."
                 )
             key_states, value_states = keys.to(key_states.dtype), values.to(value_states.dtype)
+        self._expand_to_batch(key_states.shape[0], layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _expand_to_batch(self, batch: int, layer_idx: int) -> None:
+        # Beam search and `num_return_sequences` expand the prompt to batch * n rows but leave a user-given
+        # cache alone; repeat each context row n times, in the order `generate()` expands its inputs.
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if layer is None or not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+            return
+        cached = layer.keys.shape[0]
+        if batch == cached:
+            return
+        if batch % cached:
+            raise ValueError(
+                f"The cache holds {cached} contexts but `input_ids` has {batch} rows: pass one prompt per context "
+                "(generate() expands them for beams and `num_return_sequences` itself)."
+            )
+        repeats = batch // cached
+        self.batch_repeat_interleave(repeats)
+        self.attention_mask = self.attention_mask.repeat_interleave(repeats, dim=0)
 
     def generation_mask(self, num_new_tokens: int) -> torch.Tensor:
         """The `attention_mask` for `generate()`: the context mask with ones for `num_new_tokens` new tokens."""
