@@ -25,7 +25,8 @@ class MoTConfig(PretrainedConfig):
             have their own mixture).
         num_experts_per_token (`int`, *optional*, defaults to 2): experts the router picks for each token (top-k
             softmax gating).
-        source_window (`int`, *optional*, defaults to 3): how many adjacent source layers feed each target layer.
+        source_window (`int`, *optional*): how many adjacent source layers feed each target layer (defaults to 3,
+            or the source depth if smaller).
         layer_alignment (`str`, *optional*, defaults to `"uniform"`): which source layers a target layer reads:
             `"uniform"` spreads the target depth over the source depth, `"bottom"` pairs layers from the first
             layer up, `"top"` from the last layer down.
@@ -59,7 +60,7 @@ class MoTConfig(PretrainedConfig):
     expert_hidden_size: int = 256
     num_experts: int = 4
     num_experts_per_token: int = 2
-    source_window: int = 3
+    source_window: int | None = None
     layer_alignment: str = "uniform"
     injection_mode: str = "full"
     injection_start: int = 0
@@ -77,7 +78,7 @@ class MoTConfig(PretrainedConfig):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
         for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "source_window"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(
@@ -87,6 +88,8 @@ class MoTConfig(PretrainedConfig):
         if self.source is None or self.target is None:
             return
         source, target = self.source_layout, self.target_layout
+        if self.source_window is None:
+            self.source_window = min(3, source.num_layers)
         if self.source_window > source.num_layers:
             raise ValueError(
                 f"`source_window` ({self.source_window}) exceeds the source depth ({source.num_layers} layers)."

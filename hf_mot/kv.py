@@ -267,6 +267,11 @@ def read_source_cache(
                 f"`source_cache` holds {k.shape[-2]} tokens but the source context has {tokens}: the cache must "
                 "come from exactly this context, with nothing generated after it."
             )
+        if k.dtype != model.dtype:
+            raise TypeError(
+                f"`source_cache` holds {k.dtype} tensors but `source_model` runs in {model.dtype}: pass the cache "
+                f"that `source_model` produced as it is now, or cast the model with `.to({k.dtype})`."
+            )
         if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
             raise ValueError(
                 f"`source_cache` layer {layer_idx} contains NaN or Inf: the source forward pass overflowed. "

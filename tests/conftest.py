@@ -24,7 +24,7 @@ from hf_mot import load_model
 
 CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-TINY_VOCAB = 128
+TINY_VOCAB = 320  # room for the byte-level BPE (256 bytes + merges)
 
 CONTEXTS = [
     "The Eiffel Tower is in Paris. It was finished in 1889 for the World's Fair.",
@@ -54,7 +54,7 @@ def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character: a tokenizer for tiny models with a vocabulary under 128."""
+    """One token per character: a tokenizer for tiny models."""
     vocab = {token: i for i, token in enumerate(SPECIALS + list(CHARS))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
@@ -68,7 +68,7 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator(CONTEXTS * 4, trainer=trainer)
     return _wrap(tokenizer)

@@ -1,0 +1,142 @@
+"""Bad input gets a clear error that names the argument and the fix."""
+
+import pytest
+import torch
+from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, identity_translator, tiny_model
+
+from hf_mot import MoTConfig, MoTTranslator, translate_context
+from hf_mot.pipeline import encode_contexts, prefill_source
+
+
+@pytest.fixture
+def pair():
+    model, tokenizer = tiny_model("llama"), char_tokenizer()
+    return model, tokenizer, identity_translator(model, tokenizer)
+
+
+def _translate(pair, context=CONTEXTS[0], **overrides):
+    model, tokenizer, translator = pair
+    kwargs = dict(
+        translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
+        target_tokenizer=tokenizer,
+    )
+    kwargs.update(overrides)
+    return translate_context(context, **kwargs)
+
+
+def test_translator_for_another_model_pair(pair):
+    other = tiny_model("qwen2")
+    with pytest.raises(ValueError, match=r"built for target_model llama .* got qwen2.*Load the translator"):
+        _translate(pair, target_model=other)
+
+
+def test_tokenizer_the_translator_was_not_built_for(pair):
+    with pytest.raises(ValueError, match=r"`source_tokenizer` is not the tokenizer this translator was built for"):
+        _translate(pair, source_tokenizer=bpe_tokenizer())
+
+
+def test_cache_from_another_model(pair):
+    other = tiny_model("qwen2")  # 3 layers instead of 2
+    encoded = encode_contexts(char_tokenizer(), [CONTEXTS[0]])
+    with pytest.raises(ValueError, match=r"`source_cache` has 3 layers .* pass the cache that `source_model` produced"):
+        _translate(pair, source_cache=prefill_source(other, encoded))
+
+
+def test_cache_with_another_batch_size(pair):
+    model, tokenizer, _ = pair
+    encoded = encode_contexts(tokenizer, [CONTEXTS[0]])
+    with pytest.raises(ValueError, match=r"`source_cache` holds a batch of 1 but the context batch is 2"):
+        _translate(pair, context=[CONTEXTS[0], CONTEXTS[1]], source_cache=prefill_source(model, encoded))
+
+
+def test_cache_of_another_context(pair):
+    model, tokenizer, _ = pair
+    encoded = encode_contexts(tokenizer, [CONTEXTS[1]])
+    with pytest.raises(ValueError, match=r"`source_cache` holds \d+ tokens but the source context has \d+"):
+        _translate(pair, source_cache=prefill_source(model, encoded))
+
+
+def test_cache_in_another_dtype(pair):
+    model, tokenizer, _ = pair
+    cache = prefill_source(model, encode_contexts(tokenizer, [CONTEXTS[0]]))
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.bfloat16(), layer.values.bfloat16()
+    with pytest.raises(TypeError, match=r"`source_cache` holds torch.bfloat16 .* `source_model` runs in torch.float32"):
+        _translate(pair, source_cache=cache)
+
+
+def test_translator_on_another_device(pair):
+    model, tokenizer, translator = pair
+    translator = translator.to("meta")
+    with pytest.raises(ValueError, match=r"`translator` is on meta but the source cache is on cpu"):
+        _translate(pair, translator=translator)
+
+
+@pytest.mark.parametrize("context", ["", "   \n", []])
+def test_empty_context(pair, context):
+    with pytest.raises(ValueError, match=r"`context"):
+        _translate(pair, context=context)
+
+
+def test_context_of_wrong_type(pair):
+    with pytest.raises(TypeError, match=r"`context` must be a string or a list of strings"):
+        _translate(pair, context=42)
+
+
+def test_context_longer_than_the_target_holds(pair):
+    with pytest.raises(ValueError, match=r"`context` is \d+ target tokens long but the target model holds at most 512"):
+        _translate(pair, context="word " * 200)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_in_cache(pair, bad):
+    model, tokenizer, _ = pair
+    cache = prefill_source(model, encode_contexts(tokenizer, [CONTEXTS[0]]))
+    cache.layers[1].values[0, 0, 3, 0] = bad
+    with pytest.raises(ValueError, match=r"`source_cache` layer 1 contains NaN or Inf"):
+        _translate(pair, source_cache=cache)
+
+
+def test_sliding_window_cache_that_lost_tokens(pair):
+    model, tokenizer = tiny_model("gemma3"), char_tokenizer()
+    translator = identity_translator(model, tokenizer)
+    encoded = encode_contexts(tokenizer, [CONTEXTS[0]])
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)  # sliding layers keep only the last 7 tokens
+    with torch.no_grad():
+        model(input_ids=encoded.input_ids, cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match=r"sliding-window layer that kept only 7 of the \d+ context tokens"):
+        _translate((model, tokenizer, translator), source_cache=cache)
+
+
+def test_identity_init_needs_one_model():
+    with pytest.raises(ValueError, match=r"`init='identity'` needs the same model on both sides"):
+        MoTConfig.from_models(tiny_model("llama").config, tiny_model("qwen2").config, init="identity")
+
+
+def test_full_mode_needs_every_layer(pair):
+    model, tokenizer, _ = pair
+    config = MoTConfig.from_models(model.config, model.config, injection_mode="window", injection_layers=1)
+    with pytest.raises(ValueError, match=r"use `injection_mode='window'`"):
+        _translate(pair, translator=MoTTranslator(config), injection_mode="full")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(num_experts=2, num_experts_per_token=3), r"`num_experts_per_token` \(3\) must be <= `num_experts` \(2\)"),
+        (dict(layer_alignment="middle"), r"`layer_alignment` must be one of"),
+        (dict(injection_mode="window", injection_start=2, injection_layers=4), r"injection window \[2, 6\)"),
+        (dict(source_window=9), r"`source_window` \(9\) exceeds the source depth"),
+    ],
+)
+def test_config_validation(options, message):
+    config = tiny_model("llama").config
+    with pytest.raises(ValueError, match=message):
+        MoTConfig.from_models(config, config, **options)
+
+
+def test_config_without_layouts():
+    with pytest.raises(ValueError, match=r"MoTConfig.from_models"):
+        MoTTranslator(MoTConfig())

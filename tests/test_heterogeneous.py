@@ -1,0 +1,86 @@
+"""Different models on the two sides: tokenizer, depth, head layout, RoPE and attention pattern all differ."""
+
+import pytest
+import torch
+from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, tiny_model
+
+from hf_mot import MoTConfig, MoTTranslator, TranslatedCache, translate_context
+from hf_mot._compat import cache_kwarg
+
+
+def _check_generates(source, source_tok, target, target_tok, translator, contexts, mode):
+    cache = translate_context(
+        contexts, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
+        target_tokenizer=target_tok, injection_mode=mode,
+    )
+    assert isinstance(cache, TranslatedCache)
+    layout = translator.target_layout
+    batch = len(contexts)
+    assert len(cache.layers) == layout.num_layers
+    for layer_idx, layer in enumerate(cache.layers):
+        assert layer.keys.shape[:2] == (batch, layout.num_kv_heads) and layer.keys.shape[-1] == layout.head_dim
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+    prompt = target_tok([" Answer:"] * batch, return_tensors="pt", add_special_tokens=False).input_ids
+    out = target.generate(
+        input_ids=prompt, attention_mask=cache.generation_mask(prompt.shape[1]), max_new_tokens=5, do_sample=False,
+        **{cache_kwarg(target): cache},
+    )
+    assert out.shape == (batch, prompt.shape[1] + 5)
+    assert ((out >= 0) & (out < target.config.vocab_size)).all()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("mode", ["full", "window"])
+@pytest.mark.parametrize("source_family, target_family", [("llama", "gemma3"), ("gpt2", "qwen2"), ("opt", "llama")])
+def test_tiny_pairs(source_family, target_family, mode, batch):
+    source, target = tiny_model(source_family, seed=1), tiny_model(target_family, seed=2)
+    source_tok, target_tok = char_tokenizer(), bpe_tokenizer()
+    config = MoTConfig.from_models(source.config, target.config, source_tokenizer=source_tok,
+                                   target_tokenizer=target_tok, hidden_size=16, expert_hidden_size=16)
+    translator = MoTTranslator(config).eval()
+    _check_generates(source, source_tok, target, target_tok, translator, CONTEXTS[:batch], mode)
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("batch", [1, 3])
+def test_smollm2_to_gemma3_untrained(smollm2, gemma3, batch):
+    (source, source_tok), (target, target_tok) = smollm2, gemma3
+    config = MoTConfig.from_models(source.config, target.config, source_tokenizer=source_tok,
+                                   target_tokenizer=target_tok)
+    assert config.source["num_layers"] == 30 and config.target["num_layers"] == 18
+    translator = MoTTranslator(config).eval()
+    contexts = ["A context with emoji 🙂, CJK 東京 and   runs of spaces.", CONTEXTS[0], CONTEXTS[1]][:batch]
+    for mode in ("full", "window"):
+        _check_generates(source, source_tok, target, target_tok, translator, contexts, mode)
+
+
+def test_window_mode_only_replaces_the_window():
+    """Below the injection window, the window-mode cache is exactly the target's own cache."""
+    target, tok = tiny_model("qwen2"), char_tokenizer()
+    source = tiny_model("llama", seed=5)
+    config = MoTConfig.from_models(source.config, target.config, injection_mode="window", injection_start=1,
+                                   injection_layers=1, hidden_size=16)
+    translator = MoTTranslator(config)
+    cache = translate_context(CONTEXTS[0], translator=translator, source_model=source, source_tokenizer=tok,
+                              target_model=target, target_tokenizer=tok)
+    from transformers import DynamicCache
+
+    from hf_mot.pipeline import encode_contexts
+
+    native = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(input_ids=encode_contexts(tok, [CONTEXTS[0]]).input_ids, use_cache=True, **{cache_kwarg(target): native})
+    assert torch.equal(cache.layers[0].keys, native.layers[0].keys)
+    assert not torch.allclose(cache.layers[1].keys, native.layers[1].keys)
+    assert not torch.allclose(cache.layers[2].keys, native.layers[2].keys)  # shifted by the injected layer
+
+
+def test_save_and_load_round_trip(tmp_path):
+    source, target = tiny_model("llama"), tiny_model("gemma3")
+    translator = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16))
+    translator.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    loaded = MoTTranslator.from_pretrained(tmp_path)
+    assert loaded.config.source == translator.config.source
+    for (name, a), (_, b) in zip(translator.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
