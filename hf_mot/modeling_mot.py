@@ -87,9 +87,12 @@ class KVMixture(nn.Module):
         """
         used = source[self.used_source_layers]
         projected = torch.einsum("lbsf,lfd->lbsd", used, self.source_proj) + self.source_bias[:, None, None]
-        projected = alignment.apply(projected)
-        windows = projected[self.window_index]  # (out_layers, window, batch, tokens, d)
-        hidden = torch.einsum("ow,owbtd->obtd", self.window_mix, windows)
+        # Each target layer's window mix as one (out_layers, used_layers) matrix: a single matmul. Mixing
+        # before aligning (both are linear) aligns only the out_layers, not every used source layer.
+        mix = projected.new_zeros(self.window_index.shape[0], projected.shape[0])
+        mix = mix.scatter(1, self.window_index, self.window_mix.to(mix.dtype))
+        hidden = torch.einsum("ol,lbsd->obsd", mix, projected)
+        hidden = alignment.apply(hidden)
 
         routed = self.norm(hidden) + self.layer_embedding[:, None, None]
         flat = routed.reshape(-1, routed.shape[-1])

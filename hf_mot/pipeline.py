@@ -11,7 +11,7 @@ from ._compat import cache_kwarg, returned_cache
 from .alignment import TokenAlignment, align_spans, build_alignment
 from .cache import TranslatedCache
 from .kv import KVLayout, SourceKV, finish_target_keys, positions_from_mask, read_source_cache, tokenizer_fingerprint
-from .modeling_mot import MoTTranslator
+from .modeling_mot import MoTOutput, MoTTranslator
 
 
 @dataclass
@@ -117,12 +117,15 @@ def build_translated_cache(
     target: EncodedContext,
     *,
     injection_mode: str | None = None,
+    injection_window: tuple[int, int] | None = None,
     source_id: str = "",
 ) -> TranslatedCache:
     """Translate position-free source KV and place it in a `TranslatedCache` of the target.
 
     In `"full"` mode every target layer comes from the translator. In `"window"` mode the translator's layers
-    are injected into the target's own pass over the context (the target's other layers compute natively).
+    are injected into the target's own pass over the context (the target's other layers compute natively);
+    `injection_window=(start, count)` injects only those of the translator's layers (e.g. a window of a
+    translator trained for `"full"` mode).
     """
     mode = injection_mode or translator.config.injection_mode
     _check_devices_and_dtypes(translator, source, target_model)
@@ -132,7 +135,38 @@ def build_translated_cache(
             f"`injection_mode='full'` needs every target layer, but this translator produces layers "
             f"{translator.produced_layers[0]}-{translator.produced_layers[-1]} only: use `injection_mode='window'`."
         )
+    layers = translator.produced_layers
+    if injection_window is not None:
+        start, count = injection_window
+        wanted = list(range(start, start + count))
+        if mode != "window" or not set(wanted) <= set(layers):
+            raise ValueError(
+                f"`injection_window={injection_window}` needs `injection_mode='window'` and layers the translator "
+                f"produces ({layers[0]}-{layers[-1]})."
+            )
+        layers = wanted
     translated = translator(source.keys, source.values, alignment)
+    cache, _ = fill_translated_cache(translated, target_model, target, mode, layers, source_id=source_id)
+    return cache
+
+
+def fill_translated_cache(
+    translated: MoTOutput,
+    target_model: PreTrainedModel,
+    target: EncodedContext,
+    mode: str,
+    layers: list[int] | None = None,
+    source_id: str = "",
+) -> tuple[TranslatedCache, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Place translator output in a `TranslatedCache`: the target's key-norm scale and RoPE on the keys, then
+    `update()` (full mode) or injection into the target's replay of the context (window mode).
+
+    Also returns, per target layer, the keys and values the target attends to over the context: the
+    translated ones, and in window mode the ones the target computed above the window on top of them (every
+    context token, including those a sliding-window layer will not keep). Training compares them with the
+    target's native cache.
+    """
+    layers = translated.layers if layers is None else layers
     positions = target.position_ids
     dtype = target_model.dtype
     cache = TranslatedCache(
@@ -142,13 +176,18 @@ def build_translated_cache(
         target_id=target_model.config.name_or_path,
         injection_mode=mode,
     )
+    context_kv = {}
     for layer_idx, keys, values in zip(translated.layers, translated.keys, translated.values):
+        if layer_idx not in layers:
+            continue
         keys = finish_target_keys(target_model, layer_idx, keys.to(dtype), positions)
+        context_kv[layer_idx] = (keys, values.to(dtype))
         if mode == "full":
-            cache.update(keys, values.to(dtype), layer_idx)
+            cache.update(*context_kv[layer_idx], layer_idx)
         else:
-            cache.inject(layer_idx, keys, values.to(dtype))
+            cache.inject(layer_idx, *context_kv[layer_idx])
     if mode == "window":
+        cache.record_context_kv = context_kv
         decoder = target_model.get_decoder()
         decoder(
             input_ids=target.input_ids,
@@ -157,7 +196,8 @@ def build_translated_cache(
             use_cache=True,
             **{cache_kwarg(decoder): cache},
         )
-    return cache
+        cache.record_context_kv = None
+    return cache, context_kv
 
 
 @torch.no_grad()
@@ -171,6 +211,7 @@ def translate_context(
     target_tokenizer: PreTrainedTokenizerBase,
     source_cache: Cache | None = None,
     injection_mode: str | None = None,
+    injection_window: tuple[int, int] | None = None,
 ) -> TranslatedCache:
     """Translate what the source model read into a cache the target model can continue from.
 
@@ -183,6 +224,8 @@ def translate_context(
             (tokenized by `source_tokenizer` with special tokens, left-padded). Given, the source does not read
             the context again.
         injection_mode (`str`, *optional*): `"full"` or `"window"`; defaults to the translator's config.
+        injection_window (`tuple[int, int]`, *optional*): in `"window"` mode, inject only the translator's
+            layers `start .. start + count - 1`.
 
     Returns:
         [`TranslatedCache`]: pass it to `target_model.generate()` with only the new tokens as `input_ids`.
@@ -219,5 +262,6 @@ def translate_context(
         target_model,
         target_enc,
         injection_mode=injection_mode,
+        injection_window=injection_window,
         source_id=source_model.config.name_or_path,
     )

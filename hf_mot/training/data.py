@@ -1,0 +1,120 @@
+"""(context, continuation) pairs cut in text space, split by document, and their collation for both models."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from ..data import training_documents
+from ..kv import tokenizer_fingerprint
+from ..pipeline import align_contexts, encode_contexts
+
+
+def document_split(text: str, validation_percent: int) -> str:
+    """`"train"` or `"validation"`, from a hash of the document: stable across runs, machines and orders."""
+    bucket = int(hashlib.sha1(text.encode("utf-8")).hexdigest()[:8], 16) % 100
+    return "validation" if bucket < validation_percent else "train"
+
+
+def cut_chunks(
+    document: str, rng: random.Random, context_words: tuple[int, int], continuation_words: int
+) -> list[dict]:
+    """Non-overlapping (context, continuation) pairs along one document, context lengths drawn at random."""
+    words = document.split()
+    chunks, start = [], 0
+    while True:
+        n_context = rng.randint(*context_words)
+        end = start + n_context + continuation_words
+        if end > len(words):
+            return chunks
+        chunks.append(
+            {
+                "context": " ".join(words[start : start + n_context]),
+                "continuation": " " + " ".join(words[start + n_context : end]),
+            }
+        )
+        start = end
+
+
+class ContextContinuationDataset(Dataset):
+    """Pairs from the offline corpus, one split of it.
+
+    Args:
+        split (`str`): `"train"` or `"validation"` (documents are split by a hash of their text).
+        context_words (`tuple[int, int]`): range of context lengths in words.
+        continuation_words (`int`): continuation length in words.
+        validation_percent (`int`): share of documents held out.
+        max_chunks (`int`, *optional*): keep this many pairs (a seeded sample), all if `None`.
+        seed (`int`): seed of the context lengths and the sample.
+    """
+
+    def __init__(
+        self,
+        split: str = "train",
+        *,
+        context_words: tuple[int, int] = (48, 256),
+        continuation_words: int = 24,
+        validation_percent: int = 5,
+        max_chunks: int | None = None,
+        seed: int = 0,
+    ):
+        if split not in ("train", "validation"):
+            raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}.")
+        if not 1 <= context_words[0] <= context_words[1]:
+            raise ValueError(f"`context_words` must be (min, max) with 1 <= min <= max, got {context_words}.")
+        rng = random.Random(seed)
+        self.examples = []
+        for corpus, documents in sorted(training_documents().items()):
+            for document in documents:
+                if document_split(document, validation_percent) != split:
+                    continue
+                for chunk in cut_chunks(document, rng, context_words, continuation_words):
+                    self.examples.append({**chunk, "corpus": corpus})
+        if max_chunks is not None and max_chunks < len(self.examples):
+            self.examples = random.Random(seed + 1).sample(self.examples, max_chunks)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.examples[index]
+
+
+@dataclass
+class MoTDataCollator:
+    """Tokenizes (context, continuation) pairs for both models and aligns the contexts.
+
+    The contexts are left-padded (as `translate_context` does), the continuations right-padded.
+    """
+
+    source_tokenizer: PreTrainedTokenizerBase
+    target_tokenizer: PreTrainedTokenizerBase
+
+    def __call__(self, examples: list[dict]) -> dict:
+        contexts = [e["context"] for e in examples]
+        source = encode_contexts(self.source_tokenizer, contexts)
+        target = encode_contexts(self.target_tokenizer, contexts)
+        same = tokenizer_fingerprint(self.source_tokenizer) == tokenizer_fingerprint(self.target_tokenizer)
+        continuations = [
+            self.target_tokenizer(e["continuation"], add_special_tokens=False).input_ids for e in examples
+        ]
+        longest = max(len(c) for c in continuations)
+        continuation_ids = torch.zeros(len(examples), longest, dtype=torch.long)
+        continuation_mask = torch.zeros(len(examples), longest, dtype=torch.long)
+        for row, ids in enumerate(continuations):
+            continuation_ids[row, : len(ids)] = torch.tensor(ids)
+            continuation_mask[row, : len(ids)] = 1
+        return {
+            "source_input_ids": source.input_ids,
+            "source_attention_mask": source.attention_mask,
+            "target_input_ids": target.input_ids,
+            "target_attention_mask": target.attention_mask,
+            "continuation_ids": continuation_ids,
+            "continuation_mask": continuation_mask,
+            "alignment": align_contexts(source, target, same_tokenizer=same),
+        }

@@ -1,0 +1,138 @@
+"""Next-token loss and the Context Correction Loss.
+
+The target continues from the translated cache; the same target after reading the context natively is the
+teacher. The Context Correction Loss pulls the two trajectories together where the MoT method says they drift:
+
+- per-layer KV from the injection point up (propagated translation shift: an early error grows upward);
+- the next-token distributions at the continuation positions (last-state shift: the first tokens after the
+  context are bent by errors at the last context position).
+
+A router load-balancing term keeps all experts in use. The frozen models never receive gradients: the native
+side runs under `torch.no_grad()`, and the translated side only lets gradients flow into the translator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from .._compat import cache_kwarg
+from ..kv import positions_from_mask, read_source_cache
+from ..modeling_mot import MoTTranslator
+from ..pipeline import EncodedContext, fill_translated_cache
+
+
+@dataclass
+class LossWeights:
+    """Weight of each term; 0 switches a term off (for ablations)."""
+
+    nll: float = 1.0
+    kv: float = 1.0
+    kl: float = 1.0
+    balance: float = 0.01
+
+
+@dataclass
+class LossParts:
+    total: torch.Tensor
+    nll: torch.Tensor
+    kv: torch.Tensor
+    kl: torch.Tensor
+    balance: torch.Tensor
+
+    def detached(self) -> dict[str, float]:
+        return {name: getattr(self, name).detach().float().item() for name in ("total", "nll", "kv", "kl", "balance")}
+
+
+def _continue(model: PreTrainedModel, cache, context_mask: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Run the continuation through `model` after the cached context; return its logits."""
+    mask = torch.cat([context_mask, batch["continuation_mask"]], dim=1)
+    positions = context_mask.sum(dim=1, keepdim=True) + torch.arange(
+        batch["continuation_ids"].shape[1], device=mask.device
+    )
+    return model(
+        input_ids=batch["continuation_ids"], attention_mask=mask, position_ids=positions, use_cache=True,
+        **{cache_kwarg(model): cache},
+    ).logits
+
+
+def _native_kv(target_model: PreTrainedModel, batch: dict) -> tuple[DynamicCache, list]:
+    # A config-less DynamicCache keeps every token of sliding-window layers, for the per-layer comparison.
+    cache = DynamicCache()
+    decoder = target_model.get_decoder()
+    decoder(
+        input_ids=batch["target_input_ids"], attention_mask=batch["target_attention_mask"],
+        position_ids=positions_from_mask(batch["target_attention_mask"]), use_cache=True,
+        **{cache_kwarg(decoder): cache},
+    )
+    return cache, [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _relative_kv_error(translated: list, native: list, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over layers of ||translated - native||^2 / ||native||^2 on real context tokens (keys and values)."""
+    real = mask[:, None, :, None].to(native[0][0].dtype)
+    errors = []
+    for (tk, tv), (nk, nv) in zip(translated, native):
+        for t, n in ((tk, nk), (tv, nv)):
+            errors.append(((t - n) ** 2 * real).sum() / ((n**2) * real).sum().clamp_min(1e-6))
+    return torch.stack(errors).mean()
+
+
+def context_correction_loss(
+    translator: MoTTranslator,
+    source_model: PreTrainedModel,
+    target_model: PreTrainedModel,
+    batch: dict,
+    weights: LossWeights,
+    injection_mode: str,
+) -> LossParts:
+    """All loss terms for one batch from `MoTDataCollator`.
+
+    `translator` may be wrapped (DDP), so the injection mode comes as an argument. The next-token loss covers
+    continuation tokens 2..n: the first continuation token is predicted from the last context position, which
+    the translated cache does not run (a prompt after it does, at generation time).
+    """
+    mode = injection_mode
+    # Only the translator learns: the models are frozen here, whoever calls this.
+    source_model.requires_grad_(False)
+    target_model.requires_grad_(False)
+    source_mask, target_mask = batch["source_attention_mask"], batch["target_attention_mask"]
+    with torch.no_grad():
+        decoder = source_model.get_decoder()
+        source_cache = DynamicCache()
+        decoder(
+            input_ids=batch["source_input_ids"], attention_mask=source_mask,
+            position_ids=positions_from_mask(source_mask), use_cache=True, **{cache_kwarg(decoder): source_cache},
+        )
+        source = read_source_cache(source_cache, source_model, source_mask, positions_from_mask(source_mask))
+        native_cache, native_kv = _native_kv(target_model, batch)
+        native_logits = _continue(target_model, native_cache, target_mask, batch) if weights.kl else None
+
+    out = translator(source.keys, source.values, batch["alignment"])
+    target = EncodedContext(batch["target_input_ids"], target_mask, spans=[], special=[])
+    cache, context_kv = fill_translated_cache(out, target_model, target, mode)
+    # From the injection point up: what the target attends to, translated or computed on top of the translation.
+    translated_kv = {i: kv for i, kv in context_kv.items() if i >= out.layers[0]}
+
+    zero = out.aux_loss.new_zeros(())
+    layers = sorted(translated_kv)
+    kv = (
+        _relative_kv_error([translated_kv[i] for i in layers], [native_kv[i] for i in layers], target_mask)
+        if weights.kv
+        else zero
+    )
+    logits = _continue(target_model, cache, target_mask, batch) if (weights.nll or weights.kl) else None
+    continuation_mask = batch["continuation_mask"][:, 1:].bool()
+    nll = zero
+    if weights.nll:
+        nll = F.cross_entropy(logits[:, :-1][continuation_mask].float(), batch["continuation_ids"][:, 1:][continuation_mask])
+    kl = zero
+    if weights.kl:
+        every = batch["continuation_mask"].bool()
+        native_logp = native_logits[every].float().log_softmax(-1)
+        kl = F.kl_div(logits[every].float().log_softmax(-1), native_logp, log_target=True, reduction="batchmean")
+    total = weights.nll * nll + weights.kv * kv + weights.kl * kl + weights.balance * out.aux_loss
+    return LossParts(total=total, nll=nll, kv=kv, kl=kl, balance=out.aux_loss)

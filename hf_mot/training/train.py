@@ -1,0 +1,125 @@
+"""Train a translator for any pair of causal LMs (the `hf-mot train` command and examples/training).
+
+Usage:
+    hf-mot train --source smollm2-135m --target gemma3-270m --output-dir runs/smollm2-to-gemma3 --max-steps 2000
+    accelerate launch --num_processes 2 examples/training/train_translator.py --source ... --target ... ...
+
+Re-running with the same `--output-dir` resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..configuration_mot import MoTConfig
+from ..modeling_mot import MoTTranslator
+from ..models import load_model
+from .data import ContextContinuationDataset, MoTDataCollator
+from .trainer import MoTTrainer, MoTTrainingArguments
+
+
+class TimeBudget(TrainerCallback):
+    """Stop (saving a checkpoint) once a wall-clock budget is spent."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.monotonic() - self.start > self.seconds:
+            control.should_training_stop = True
+            control.should_save = True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-mot train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    models = parser.add_argument_group("models")
+    models.add_argument("--source", required=True, help="source model: embedded name, path or repo id")
+    models.add_argument("--target", required=True, help="target model: embedded name, path or repo id")
+    translator = parser.add_argument_group("translator")
+    translator.add_argument("--init-from", help="start from this translator (path or repo id) instead of scratch")
+    translator.add_argument("--hidden-size", type=int, default=256)
+    translator.add_argument("--expert-hidden-size", type=int, default=256)
+    translator.add_argument("--num-experts", type=int, default=4)
+    translator.add_argument("--num-experts-per-token", type=int, default=2)
+    translator.add_argument("--source-window", type=int, default=None)
+    translator.add_argument("--layer-alignment", choices=["uniform", "bottom", "top"], default="uniform")
+    translator.add_argument("--injection-mode", choices=["full", "window"], default="full")
+    translator.add_argument("--injection-start", type=int, default=0)
+    translator.add_argument("--injection-layers", type=int, default=None)
+    data = parser.add_argument_group("data")
+    data.add_argument("--context-words", type=int, nargs=2, default=[48, 256], metavar=("MIN", "MAX"))
+    data.add_argument("--continuation-words", type=int, default=24)
+    data.add_argument("--max-train-chunks", type=int, default=None)
+    losses = parser.add_argument_group("loss weights (0 switches a term off)")
+    losses.add_argument("--nll-weight", type=float, default=1.0)
+    losses.add_argument("--kv-weight", type=float, default=1.0)
+    losses.add_argument("--kl-weight", type=float, default=1.0)
+    losses.add_argument("--balance-weight", type=float, default=0.01)
+    run = parser.add_argument_group("run")
+    run.add_argument("--output-dir", required=True)
+    run.add_argument("--max-steps", type=int, default=2000)
+    run.add_argument("--batch-size", type=int, default=4)
+    run.add_argument("--learning-rate", type=float, default=1e-3)
+    run.add_argument("--warmup-steps", type=int, default=50)
+    run.add_argument("--save-steps", type=int, default=100)
+    run.add_argument("--logging-steps", type=int, default=10)
+    run.add_argument("--time-budget-minutes", type=float, default=None, help="stop and save after this long")
+    run.add_argument("--bf16", action="store_true", help="bf16 autocast: for GPUs and CPUs with fast bf16 matmuls (check first: on AVX2-only CPUs it is much slower)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> MoTTrainer:
+    args = build_parser().parse_args(argv)
+    source, source_tok = load_model(args.source)
+    target, target_tok = load_model(args.target)
+    if args.init_from:
+        translator = MoTTranslator.from_pretrained(args.init_from)
+    else:
+        config = MoTConfig.from_models(
+            source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
+            hidden_size=args.hidden_size, expert_hidden_size=args.expert_hidden_size, num_experts=args.num_experts,
+            num_experts_per_token=args.num_experts_per_token, source_window=args.source_window,
+            layer_alignment=args.layer_alignment, injection_mode=args.injection_mode,
+            injection_start=args.injection_start, injection_layers=args.injection_layers,
+        )
+        torch.manual_seed(args.seed)
+        translator = MoTTranslator(config)
+    train_dataset = ContextContinuationDataset(
+        "train", context_words=tuple(args.context_words), continuation_words=args.continuation_words,
+        max_chunks=args.max_train_chunks, seed=args.seed,
+    )
+    training_args = MoTTrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
+        weight_decay=0.0, max_grad_norm=1.0, save_steps=args.save_steps, save_total_limit=2,
+        logging_steps=args.logging_steps, seed=args.seed, data_seed=args.seed, bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        nll_weight=args.nll_weight, kv_weight=args.kv_weight, kl_weight=args.kl_weight,
+        balance_weight=args.balance_weight, injection_mode=args.injection_mode,
+    )
+    trainer = MoTTrainer(
+        model=translator, args=training_args, source_model=source, target_model=target,
+        train_dataset=train_dataset, data_collator=MoTDataCollator(source_tok, target_tok),
+    )
+    if args.time_budget_minutes is not None:
+        trainer.add_callback(TimeBudget(args.time_budget_minutes))
+    resume = not args.no_resume and os.path.isdir(args.output_dir)
+    checkpoint = get_last_checkpoint(args.output_dir) if resume else None
+    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model(args.output_dir)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()

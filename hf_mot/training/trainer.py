@@ -1,0 +1,132 @@
+"""MoTTrainer and MoTTrainingArguments: thin subclasses of transformers' Trainer and TrainingArguments."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+
+from .losses import LossWeights, context_correction_loss
+
+
+@dataclass
+class MoTTrainingArguments(TrainingArguments):
+    r"""
+    [`~transformers.TrainingArguments`] plus the weights of the loss terms.
+
+    Args:
+        nll_weight (`float`, *optional*, defaults to 1.0): next-token loss on the continuation given the
+            translated cache.
+        kv_weight (`float`, *optional*, defaults to 1.0): Context Correction Loss, per-layer relative KV error
+            against the target's native cache from the injection point up.
+        kl_weight (`float`, *optional*, defaults to 1.0): Context Correction Loss, KL from the native next-token
+            distributions at the continuation positions.
+        balance_weight (`float`, *optional*, defaults to 0.01): router load-balancing term.
+        injection_mode (`str`, *optional*): train for `"full"` or `"window"` mode (defaults to the config's).
+
+    A weight of 0 switches its term off (ablations).
+    """
+
+    nll_weight: float = field(default=1.0, metadata={"help": "weight of the next-token loss"})
+    kv_weight: float = field(default=1.0, metadata={"help": "weight of the per-layer KV correction term"})
+    kl_weight: float = field(default=1.0, metadata={"help": "weight of the next-token distribution term"})
+    balance_weight: float = field(default=0.01, metadata={"help": "weight of the router load-balancing term"})
+    injection_mode: str | None = field(default=None, metadata={"help": "full or window (default: config)"})
+    # The batches carry an alignment object and columns the translator's forward does not name.
+    remove_unused_columns: bool = field(default=False)
+    # Experts the router did not pick in a step get no gradient; DDP must know that.
+    ddp_find_unused_parameters: bool | None = field(default=True)
+    report_to: str | list[str] | None = field(default="none")
+
+    @property
+    def loss_weights(self) -> LossWeights:
+        return LossWeights(nll=self.nll_weight, kv=self.kv_weight, kl=self.kl_weight, balance=self.balance_weight)
+
+
+class LossCurveCallback(TrainerCallback):
+    """Writes `loss_curve.png` next to the checkpoints whenever one is saved, and at the end."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            write_loss_curve(state.log_history, args.output_dir)
+
+    on_train_end = on_save
+
+
+def write_loss_curve(log_history: list[dict], output_dir: str) -> str | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in log_history if "loss" in row and "step" in row]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [row["step"] for row in rows]
+    for name in ("loss", "nll", "kv", "kl"):
+        if all(name in row for row in rows):
+            ax.plot(steps, [row[name] for row in rows], label="total" if name == "loss" else name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(output_dir, "loss_curve.png")
+    os.makedirs(output_dir, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=output_dir, suffix=".png", delete=False) as tmp:
+        fig.savefig(tmp.name, dpi=110)
+    os.replace(tmp.name, path)
+    plt.close(fig)
+    return path
+
+
+class MoTTrainer(Trainer):
+    r"""
+    [`~transformers.Trainer`] for a [`MoTTranslator`]: `compute_loss` runs the frozen source and target
+    models and returns the next-token loss plus the Context Correction Loss. Checkpointing, logging, resuming
+    and multi-process training (accelerate) are the Trainer's own.
+
+    Args:
+        model ([`MoTTranslator`]): the translator to train (the only trainable module).
+        source_model / target_model (`PreTrainedModel`): frozen here; they are not saved with checkpoints.
+        args ([`MoTTrainingArguments`]), and any other `Trainer` argument.
+
+    Example:
+
+    ```python
+    >>> trainer = MoTTrainer(model=translator, args=MoTTrainingArguments("out", max_steps=100),
+    ...                      source_model=src, target_model=tgt, train_dataset=dataset,
+    ...                      data_collator=MoTDataCollator(src_tok, tgt_tok))
+    >>> trainer.train()
+    ```
+    """
+
+    def __init__(self, *args, source_model: PreTrainedModel, target_model: PreTrainedModel, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, MoTTrainingArguments):
+            raise TypeError(f"`args` must be `MoTTrainingArguments`, got {type(self.args).__name__}.")
+        self.model.check_pair(source_model, target_model)
+        self.source_model = source_model.requires_grad_(False).eval().to(self.args.device)
+        self.target_model = target_model.requires_grad_(False).eval().to(self.args.device)
+        self.add_callback(LossCurveCallback())
+        self._loss_parts: list[dict[str, float]] = []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # `model` may be wrapped (DDP); the config is read from the unwrapped translator.
+        mode = self.args.injection_mode or self.model.config.injection_mode
+        parts = context_correction_loss(
+            model, self.source_model, self.target_model, inputs, self.args.loss_weights, mode
+        )
+        self._loss_parts.append(parts.detached())
+        return (parts.total, {"loss": parts.total}) if return_outputs else parts.total
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if self._loss_parts and "loss" in logs:
+            for name in ("nll", "kv", "kl", "balance"):
+                logs[name] = round(sum(p[name] for p in self._loss_parts) / len(self._loss_parts), 5)
+            self._loss_parts.clear()
+        super().log(logs, *args, **kwargs)

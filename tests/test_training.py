@@ -1,0 +1,147 @@
+"""Training: the loss terms, one step, resume after a kill, two processes with accelerate."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, tiny_model
+from safetensors.torch import load_file
+
+from hf_mot import MoTConfig, MoTTranslator
+from hf_mot.training import LossWeights, MoTDataCollator, MoTTrainer, MoTTrainingArguments, context_correction_loss
+from hf_mot.training.data import ContextContinuationDataset, cut_chunks, document_split
+
+
+def _pair(mode="full"):
+    source, target = tiny_model("llama", seed=1), tiny_model("gemma3", seed=2)
+    source_tok, target_tok = char_tokenizer(), bpe_tokenizer()
+    options = {"injection_mode": mode}
+    if mode == "window":
+        options.update(injection_start=1, injection_layers=1)
+    config = MoTConfig.from_models(source.config, target.config, source_tokenizer=source_tok,
+                                   target_tokenizer=target_tok, hidden_size=16, expert_hidden_size=16, **options)
+    torch.manual_seed(0)
+    return MoTTranslator(config), source, target, MoTDataCollator(source_tok, target_tok)
+
+
+def _examples():
+    return [{"context": c[:50], "continuation": c[50:]} for c in CONTEXTS[:4]]
+
+
+@pytest.mark.parametrize("mode", ["full", "window"])
+def test_every_term_is_finite_and_reaches_only_the_translator(mode):
+    translator, source, target, collate = _pair(mode)
+    batch = collate(_examples())
+    weights = LossWeights()
+    for term in ("nll", "kv", "kl", "balance"):
+        translator.zero_grad()
+        only = LossWeights(**{name: (getattr(weights, name) if name == term else 0.0) for name in vars(weights)})
+        parts = context_correction_loss(translator, source, target, batch, only, mode)
+        value = getattr(parts, term)
+        assert torch.isfinite(value) and value.item() > 0, term
+        parts.total.backward()
+        grads = [p.grad for p in translator.parameters() if p.grad is not None]
+        assert grads and any(g.abs().sum() > 0 for g in grads), f"{term} has no gradient path to the translator"
+        assert all(p.grad is None for p in list(source.parameters()) + list(target.parameters())), term
+
+
+def test_one_step_lowers_the_loss_on_a_fixed_batch(tmp_path):
+    translator, source, target, collate = _pair()
+    batch = collate(_examples())
+    before = context_correction_loss(translator, source, target, batch, LossWeights(), "full").total.item()
+    args = MoTTrainingArguments(str(tmp_path), max_steps=1, learning_rate=3e-3, per_device_train_batch_size=4,
+                                use_cpu=True, save_strategy="no", logging_steps=1)
+    trainer = MoTTrainer(model=translator, args=args, source_model=source, target_model=target,
+                         train_dataset=_examples(), data_collator=collate)
+    trainer.train()
+    after = context_correction_loss(translator, source, target, batch, LossWeights(), "full").total.item()
+    assert after < before
+    assert "kv" in trainer.state.log_history[0] and "kl" in trainer.state.log_history[0]
+
+
+def test_corpus_split_is_by_document_and_disjoint():
+    docs = [f"document number {i} " + "word " * 60 for i in range(200)]
+    splits = [document_split(d, 10) for d in docs]
+    assert 5 < splits.count("validation") < 40
+    train = ContextContinuationDataset("train", max_chunks=300)
+    validation = ContextContinuationDataset("validation")
+    assert len(validation) >= 200
+    assert not {e["context"] for e in train.examples} & {e["context"] for e in validation.examples}
+
+
+def test_chunks_are_contiguous_text():
+    import random
+
+    words = " ".join(f"w{i}" for i in range(100))
+    chunks = cut_chunks(words, random.Random(0), (10, 20), 5)
+    assert chunks and all(len(c["continuation"].split()) == 5 for c in chunks)
+    first = chunks[0]
+    assert words.startswith(first["context"] + first["continuation"])
+
+
+# Training script runs in subprocesses, on tiny models saved to disk.
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    for name, family, tokenizer, seed in (("src", "llama", char_tokenizer(), 1), ("tgt", "qwen2", bpe_tokenizer(), 2)):
+        model = tiny_model(family, seed=seed)
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+def _script_args(tiny_dirs, out, steps, save_steps=2):
+    return [
+        "--source", str(tiny_dirs / "src"), "--target", str(tiny_dirs / "tgt"), "--output-dir", str(out),
+        "--max-steps", str(steps), "--save-steps", str(save_steps), "--batch-size", "2", "--hidden-size", "16",
+        "--expert-hidden-size", "16", "--context-words", "4", "8", "--continuation-words", "3",
+        "--max-train-chunks", "32", "--logging-steps", "1", "--warmup-steps", "0",
+    ]
+
+
+def _run(args, env=None, **kwargs):
+    return subprocess.run(args, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600,
+                          **kwargs)
+
+
+def test_kill_and_resume_gives_the_weights_of_an_uninterrupted_run(tiny_dirs, tmp_path):
+    script = [sys.executable, "-m", "hf_mot.training.train"]
+    steps = 30
+    straight = _run(script + _script_args(tiny_dirs, tmp_path / "straight", steps))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    # SIGKILL (no clean-up possible) once the second checkpoint is complete, well before the last step.
+    killed_dir = tmp_path / "killed"
+    process = subprocess.Popen(script + _script_args(tiny_dirs, killed_dir, steps),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (killed_dir / "checkpoint-4" / "trainer_state.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before checkpoint-4"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed_dir / "model.safetensors").exists()
+
+    resumed = _run(script + _script_args(tiny_dirs, killed_dir, steps))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = load_file(tmp_path / "straight" / "model.safetensors")
+    b = load_file(killed_dir / "model.safetensors")
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-6), name
+    assert (killed_dir / "loss_curve.png").is_file()
+
+
+def test_accelerate_two_processes(tiny_dirs, tmp_path):
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    script = str(Path(__file__).parents[1] / "examples" / "training" / "train_translator.py")
+    result = _run(launch + [script] + _script_args(tiny_dirs, tmp_path / "ddp", 2, save_steps=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "ddp" / "model.safetensors").is_file()
+    assert "'train_loss'" in result.stdout + result.stderr or (tmp_path / "ddp" / "checkpoint-2").is_dir()
