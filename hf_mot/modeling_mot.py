@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,6 +15,19 @@ from transformers.utils import ModelOutput
 from .alignment import TokenAlignment
 from .configuration_mot import MoTConfig
 from .kv import KVLayout, tokenizer_fingerprint
+
+
+# Repo ids of the translators shipped inside the package, and their folders under `hf_mot/pretrained/`.
+SHIPPED_TRANSLATORS = {"hf-mot/smollm2-135m-to-gemma3-270m": "smollm2-135m-to-gemma3-270m"}
+
+
+def shipped_translator_dir(repo_id: str) -> str | None:
+    """The packaged folder of a shipped translator, or `None` if `repo_id` is not one (or is not installed)."""
+    name = SHIPPED_TRANSLATORS.get(repo_id)
+    if name is None:
+        return None
+    folder = Path(__file__).parent / "pretrained" / name
+    return str(folder) if (folder / "model.safetensors").is_file() else None
 
 
 class KVMixture(nn.Module):
@@ -41,9 +55,8 @@ class KVMixture(nn.Module):
         # Only the source layers some window reads get a projection.
         self.used_source_layers = sorted({s for window in windows for s in window})
         position = {s: i for i, s in enumerate(self.used_source_layers)}
-        self.register_buffer(
-            "window_index", torch.tensor([[position[s] for s in w] for w in windows]), persistent=False
-        )
+        # A plain list, not a buffer: from_pretrained materialises non-persistent buffers uninitialised.
+        self.window_index = [[position[s] for s in w] for w in windows]
         d, h, n_used, n_out = config.hidden_size, config.expert_hidden_size, len(self.used_source_layers), count
         self.source_proj = nn.Parameter(torch.empty(n_used, source.feature_size, d))
         self.source_bias = nn.Parameter(torch.empty(n_used, d))
@@ -89,8 +102,8 @@ class KVMixture(nn.Module):
         projected = torch.einsum("lbsf,lfd->lbsd", used, self.source_proj) + self.source_bias[:, None, None]
         # Each target layer's window mix as one (out_layers, used_layers) matrix: a single matmul. Mixing
         # before aligning (both are linear) aligns only the out_layers, not every used source layer.
-        mix = projected.new_zeros(self.window_index.shape[0], projected.shape[0])
-        mix = mix.scatter(1, self.window_index, self.window_mix.to(mix.dtype))
+        index = torch.tensor(self.window_index, device=projected.device)
+        mix = projected.new_zeros(index.shape[0], projected.shape[0]).scatter(1, index, self.window_mix.to(projected.dtype))
         hidden = torch.einsum("ol,lbsd->obsd", mix, projected)
         hidden = alignment.apply(hidden)
 
@@ -107,7 +120,7 @@ class KVMixture(nn.Module):
             x = flat.index_select(0, rows)
             y = F.gelu(x @ self.expert_in[expert] + self.expert_in_bias[expert])
             y = y @ self.expert_out[expert] + self.expert_out_bias[expert]
-            mixed = mixed.index_add(0, rows, y * gates[rows, slot].unsqueeze(-1))
+            mixed.index_add_(0, rows, y * gates[rows, slot].unsqueeze(-1))
         hidden = hidden + mixed.view_as(hidden)
 
         out = torch.einsum("obtd,odf->obtf", hidden, self.out_proj) + self.out_bias[:, None, None]
@@ -173,6 +186,19 @@ class MoTTranslator(PreTrainedModel):
         start, count = config.produced_layer_range()
         self.produced_layers = list(range(start, start + count))
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """Load a translator from a folder or a Hub repo id.
+
+        The translators that ship with hf_mot (`SHIPPED_TRANSLATORS`) load from the installed package, offline,
+        when asked for by repo id without a `revision`. Weights load from safetensors only.
+        """
+        shipped = shipped_translator_dir(str(pretrained_model_name_or_path))
+        if shipped is not None and kwargs.get("revision") is None:
+            pretrained_model_name_or_path = shipped
+        kwargs.setdefault("use_safetensors", True)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):

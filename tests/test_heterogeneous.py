@@ -84,3 +84,12 @@ def test_save_and_load_round_trip(tmp_path):
     assert loaded.config.source == translator.config.source
     for (name, a), (_, b) in zip(translator.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
+    # And it computes the same thing (no state outside the weights is lost or left uninitialised).
+    tok = char_tokenizer()
+    caches = [
+        translate_context(CONTEXTS[0], translator=t, source_model=source, source_tokenizer=tok, target_model=target,
+                          target_tokenizer=tok)
+        for t in (translator, loaded)
+    ]
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

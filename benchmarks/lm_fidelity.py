@@ -1,0 +1,142 @@
+"""Language-modelling fidelity of translators on held-out text, side by side in one run.
+
+For each translator and injection mode: continuation NLL with no context, with the native context and with
+the translated cache; the share of the no-context-to-native gap that translation closes; top-1 agreement
+with the native next-token predictions; KL to them. Contexts of several lengths (target tokens) are cut from
+the validation documents of `hf_mot.training.data` (split by document; never trained on).
+
+Usage:
+    python benchmarks/lm_fidelity.py --translator shipped=hf-mot/smollm2-135m-to-gemma3-270m \
+        --translator untrained=untrained --lengths 64 128 256 512 --per-length 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hf_mot import MoTConfig, MoTTranslator, load_model
+from hf_mot.evaluation.fidelity import evaluate_fidelity, heldout_examples, summarize
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", default="smollm2-135m")
+    parser.add_argument("--target", default="gemma3-270m")
+    parser.add_argument(
+        "--translator", action="append", required=True, metavar="NAME=PATH",
+        help="translator to evaluate (repeatable); PATH 'untrained' is a random translator of the default config",
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
+    parser.add_argument("--per-length", type=int, default=60)
+    parser.add_argument("--continuation-tokens", type=int, default=32)
+    parser.add_argument("--window", type=int, nargs=2, default=[0, 6], metavar=("START", "COUNT"),
+                        help="target layers injected in window mode")
+    parser.add_argument("--no-window", action="store_true", help="evaluate full mode only")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/lm_fidelity.json"))
+    args = parser.parse_args()
+
+    source, source_tok = load_model(args.source)
+    target, target_tok = load_model(args.target)
+    examples = heldout_examples(target_tok, tuple(args.lengths), args.per_length, args.continuation_tokens)
+    conditions = {"full": {"injection_mode": "full"}}
+    if not args.no_window:
+        conditions["window"] = {"injection_mode": "window", "injection_window": tuple(args.window)}
+
+    results = {}
+    for spec in args.translator:
+        name, _, path = spec.partition("=")
+        if path == "untrained":
+            torch.manual_seed(0)
+            translator = MoTTranslator(MoTConfig.from_models(
+                source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok
+            ))
+        else:
+            translator = MoTTranslator.from_pretrained(path)
+        translator.eval()
+        start = time.perf_counter()
+        rows = evaluate_fidelity(
+            examples, translator=translator, source_model=source, source_tokenizer=source_tok,
+            target_model=target, target_tokenizer=target_tok, conditions=conditions,
+        )
+        by_length = {
+            length: summarize([r for r in rows if r["context_tokens"] == length], list(conditions))
+            for length in args.lengths
+        }
+        results[name] = {
+            "path": path, "overall": summarize(rows, list(conditions)), "by_length": by_length,
+            "seconds": time.perf_counter() - start,
+        }
+
+    lines = [
+        "| translator | mode | context tokens | examples | NLL no context | NLL native | NLL translated "
+        "| gap closed | top-1 agreement | KL |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, result in results.items():
+        for mode in conditions:
+            for label, summary in [*result["by_length"].items(), ("all", result["overall"])]:
+                m = summary[mode]
+                lines.append(
+                    f"| {name} | {mode} | {label} | {summary['examples']} | {summary['nll_no_context']:.3f} "
+                    f"| {summary['nll_native']:.3f} | {m['nll']:.3f} | {100 * m['gap_closed']:.1f}% "
+                    f"| {100 * m['top1_agreement']:.1f}% | {m['kl']:.3f} |"
+                )
+    table = "\n".join(lines)
+    print(table)
+
+    report = {
+        "benchmark": "lm_fidelity",
+        "command": "python benchmarks/lm_fidelity.py " + " ".join(sys.argv[1:]),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
+        "source": args.source, "target": args.target,
+        "data": "validation split of hf_mot.training.data (5% of documents by hash; never trained on); "
+                f"{args.per_length} pairs per context length, {args.continuation_tokens}-token continuations",
+        "window": args.window, "results": results, "table": table,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=args.output.parent, delete=False, suffix=".tmp") as f:
+        json.dump(report, f, indent=2)
+    os.replace(f.name, args.output)
+    plot(results, conditions, args.output.with_suffix(".png"))
+    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+
+
+def plot(results: dict, conditions: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, result in results.items():
+        lengths = list(result["by_length"])
+        for mode in conditions:
+            gap = [100 * result["by_length"][n][mode]["gap_closed"] for n in lengths]
+            agree = [100 * result["by_length"][n][mode]["top1_agreement"] for n in lengths]
+            axes[0].plot(lengths, gap, marker="o", label=f"{name} ({mode})")
+            axes[1].plot(lengths, agree, marker="o", label=f"{name} ({mode})")
+    axes[0].set_ylabel("share of the NLL gap closed (%)")
+    axes[1].set_ylabel("top-1 agreement with native (%)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (target tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Held-out LM fidelity of translated caches")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

