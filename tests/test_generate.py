@@ -134,3 +134,17 @@ def test_gemma_sliding_layers_keep_the_window_only():
     sliding, full = cache.layers[0], cache.layers[1]
     assert sliding.is_sliding and sliding.keys.shape[-2] == window - 1
     assert not full.is_sliding and full.keys.shape[-2] == cache.get_seq_length()
+
+
+def test_a_given_source_cache_is_reused(setup):
+    model, tokenizer, translator = setup
+    contexts = [CONTEXTS[0], CONTEXTS[2][:30]]
+    kwargs = dict(translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
+                  target_tokenizer=tokenizer)
+    from hf_mot.pipeline import prefill_source
+
+    source_cache = prefill_source(model, encode_contexts(tokenizer, contexts))
+    reused = translate_context(contexts, source_cache=source_cache, **kwargs)
+    fresh = translate_context(contexts, **kwargs)
+    for a, b in zip(reused.layers, fresh.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

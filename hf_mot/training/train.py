@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     checkpoint = get_last_checkpoint(args.output_dir) if resume else None
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(args.output_dir)
+    trainer.save_state()
     return trainer
 
 
