@@ -23,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .._compat import cache_kwarg
 from ..data import training_documents
 from ..modeling_mot import MoTTranslator
-from ..pipeline import translate_context
+from ..pipeline import encode_contexts, prefill_source, translate_context
 from ..training.data import document_split
 
 
@@ -77,14 +77,14 @@ def heldout_examples(
 
 def _continuation_logits(model: PreTrainedModel, ids: torch.Tensor, prefix: int, cache=None, prefix_mask=None):
     """Logits predicting continuation tokens 2..n, given `prefix` tokens (in `ids` or in `cache`) before them."""
-    kwargs = {}
+    continuation = ids.shape[1] - (0 if cache is not None else prefix)
+    kwargs = {"logits_to_keep": continuation}  # the 262k-token output layer only where it is scored
     if cache is not None:
-        kwargs = {cache_kwarg(model): cache, "attention_mask": torch.cat([prefix_mask, torch.ones_like(ids)], 1)}
+        kwargs[cache_kwarg(model)] = cache
+        kwargs["attention_mask"] = torch.cat([prefix_mask, torch.ones_like(ids)], 1)
         kwargs["position_ids"] = prefix + torch.arange(ids.shape[1]).unsqueeze(0)
-        logits = model(input_ids=ids, use_cache=True, **kwargs).logits
-        return logits[0, :-1].float()
-    logits = model(input_ids=ids, use_cache=False).logits
-    return logits[0, prefix:-1].float()
+    logits = model(input_ids=ids, use_cache=cache is not None, **kwargs).logits
+    return logits[0, :-1].float()
 
 
 @torch.no_grad()
@@ -122,11 +122,13 @@ def evaluate_fidelity(
         row = {"context_tokens": example.context_tokens, "corpus": example.corpus, "scored": len(targets)}
         row["native"] = {"nll": F.cross_entropy(native, targets, reduction="sum").item()}
         row["no_context"] = {"nll": F.cross_entropy(alone, targets, reduction="sum").item()}
+        # The source reads the context once; every condition translates that same cache.
+        source_cache = prefill_source(source_model, encode_contexts(source_tokenizer, [example.context]))
         for name, options in conditions.items():
             cache = translate_context(
                 example.context, translator=translator, source_model=source_model,
                 source_tokenizer=source_tokenizer, target_model=target_model, target_tokenizer=target_tokenizer,
-                **options,
+                source_cache=source_cache, **options,
             )
             logits = _continuation_logits(
                 target_model, continuation, cache.get_seq_length(), cache=cache, prefix_mask=cache.attention_mask
