@@ -27,8 +27,8 @@ MAX_MB = 32
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, required=True, help="training output dir (final translator inside)")
-    parser.add_argument("--fidelity", type=Path, required=True, help="JSON written by benchmarks/lm_fidelity.py")
-    parser.add_argument("--fidelity-entry", required=True, help="name of this translator in that JSON")
+    parser.add_argument("--fidelity", type=Path, help="JSON written by benchmarks/lm_fidelity.py (omit: no results)")
+    parser.add_argument("--fidelity-entry", default="shipped", help="name of this translator in that JSON")
     parser.add_argument("--repo-id", required=True, choices=sorted(SHIPPED_TRANSLATORS))
     parser.add_argument("--source", required=True, help="load name of the source model")
     parser.add_argument("--target", required=True, help="load name of the target model")
@@ -44,8 +44,6 @@ def main() -> None:
         # Runs that stopped on their last checkpoint record the runtime only in their log.
         found = re.findall(r"'train_runtime': '([0-9.]+)'", args.log.read_text(errors="replace"))
         summary = {"train_runtime": float(found[-1])} if found else {}
-    fidelity = json.loads(args.fidelity.read_text())
-    result = fidelity["results"][args.fidelity_entry]
     parameters = sum(p.numel() for p in translator.parameters())
 
     training = (
@@ -59,26 +57,30 @@ def main() -> None:
         f"Final logged losses: total {history[-1]['loss']:.3f}, NLL {history[-1]['nll']:.3f}, "
         f"KV {history[-1]['kv']:.3f}, KL {history[-1]['kl']:.3f}. The command is in the README of the repository."
     )
-    lines = ["| mode | context tokens | examples | NLL no context | NLL native | NLL translated | gap closed "
-             "| top-1 agreement |", "|---|---|---|---|---|---|---|---|"]
-    for mode in ("full", "window"):
-        if mode not in result["overall"]:
-            continue
-        for label, s in [*result["by_length"].items(), ("all", result["overall"])]:
-            lines.append(
-                f"| {mode} | {label} | {s['examples']} | {s['nll_no_context']:.3f} | {s['nll_native']:.3f} "
-                f"| {s[mode]['nll']:.3f} | {100 * s[mode]['gap_closed']:.1f}% "
-                f"| {100 * s[mode]['top1_agreement']:.1f}% |"
-            )
-    evaluation = (
-        f"Held-out LM fidelity ({fidelity['data']}), measured with `{fidelity['command']}`. Window mode injects "
-        f"target layers {fidelity['window'][0]}-{sum(fidelity['window']) - 1} of this full-mode translator into "
-        "the target's own pass.\n\n" + "\n".join(lines)
-    )
+    fidelity, evaluation, overall = None, "Not evaluated yet.", None
+    if args.fidelity is not None:
+        fidelity = json.loads(args.fidelity.read_text())
+        result = fidelity["results"][args.fidelity_entry]
+        modes = [mode for mode in ("full", "window") if mode in result["overall"]]
+        overall = {mode: result["overall"][mode] for mode in modes}
+        lines = ["| mode | context tokens | examples | NLL no context | NLL native | NLL translated | gap closed "
+                 "| top-1 agreement |", "|---|---|---|---|---|---|---|---|"]
+        for mode in modes:
+            for label, s in [*result["by_length"].items(), ("all", result["overall"])]:
+                lines.append(
+                    f"| {mode} | {label} | {s['examples']} | {s['nll_no_context']:.3f} | {s['nll_native']:.3f} "
+                    f"| {s[mode]['nll']:.3f} | {100 * s[mode]['gap_closed']:.1f}% "
+                    f"| {100 * s[mode]['top1_agreement']:.1f}% |"
+                )
+        evaluation = (
+            f"Held-out LM fidelity ({fidelity['data']}), measured with `{fidelity['command']}`. Window mode injects "
+            f"target layers {fidelity['window'][0]}-{sum(fidelity['window']) - 1} of this full-mode translator "
+            "into the target's own pass.\n\n" + "\n".join(lines)
+        )
     card = render_model_card(
         translator.config, args.repo_id, source_load_name=args.source, target_load_name=args.target,
         training_description=training, evaluation_description=evaluation,
-        fidelity={mode: result["overall"][mode] for mode in ("full", "window") if mode in result["overall"]},
+        fidelity=overall,
         parameters=parameters,
     )
 
