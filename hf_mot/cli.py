@@ -48,19 +48,22 @@ def _generate(args: argparse.Namespace) -> None:
     # The source reads the document once (in a multi-agent system it already has); only translation is timed.
     source_enc = encode_contexts(source_tok, [context])
     source_cache = prefill_source(source, source_enc)
-    start = time.perf_counter()
-    cache = translate_context(
-        context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
-        target_tokenizer=target_tok, source_cache=source_cache, injection_mode=args.mode,
-    )
-    translate_s = time.perf_counter() - start
 
-    start = time.perf_counter()
-    with torch.no_grad():
-        native = DynamicCache(config=target.config)
-        target_ids = encode_contexts(target_tok, [context]).input_ids
-        target.get_decoder()(input_ids=target_ids, use_cache=True, **{cache_kwarg(target): native})
-    native_s = time.perf_counter() - start
+    def translate():
+        return translate_context(
+            context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
+            target_tokenizer=target_tok, source_cache=source_cache, injection_mode=args.mode,
+        )
+
+    def native_prefill():
+        with torch.no_grad():
+            native = DynamicCache(config=target.config)
+            target_ids = encode_contexts(target_tok, [context]).input_ids
+            target.get_decoder()(input_ids=target_ids, use_cache=True, **{cache_kwarg(target): native})
+
+    # Each is run once untimed first: first calls pay one-off costs (kernel selection, allocations).
+    translate_s, cache = _timed(translate)
+    native_s, _ = _timed(native_prefill)
 
     prompt = target_tok(args.prompt, return_tensors="pt", add_special_tokens=False).input_ids
     out = target.generate(
@@ -73,6 +76,13 @@ def _generate(args: argparse.Namespace) -> None:
         f"context: {cache.get_seq_length()} target tokens; translation ({cache.injection_mode} mode): "
         f"{translate_s:.3f} s; native prefill of the target: {native_s:.3f} s ({native_s / translate_s:.1f}x)"
     )
+
+
+def _timed(fn):
+    fn()
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
 
 
 def _info(args: argparse.Namespace) -> None:
