@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from transformers import Cache, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -198,7 +198,6 @@ class SourceKV:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     attention_mask: torch.Tensor
-    extra: dict = field(default_factory=dict)
 
 
 def _cache_tensors(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor, int]]:

@@ -6,19 +6,22 @@ from conftest import CONTEXTS, char_tokenizer, identity_translator, native_and_t
 PROMPT = " Question: what is this about? Answer:"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "gpt2", "opt"])
-@pytest.mark.parametrize("mode", ["full", "window"])
-def test_tiny_identity_oracle(family, mode):
-    model, tokenizer = tiny_model(family), char_tokenizer()
+def _assert_oracle(model, tokenizer, mode, window):
     options = {"injection_mode": mode}
     if mode == "window":
-        options.update(injection_start=1, injection_layers=1)
+        options.update(injection_start=window[0], injection_layers=window[1])
     translator = identity_translator(model, tokenizer, **options)
     for context in CONTEXTS:
         native, translated = native_and_translated(
             model, tokenizer, translator, context, PROMPT, max_new_tokens=32, do_sample=False
         )
         assert translated.tolist() == native.tolist(), context
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "gpt2", "opt"])
+@pytest.mark.parametrize("mode", ["full", "window"])
+def test_tiny_identity_oracle(family, mode):
+    _assert_oracle(tiny_model(family), char_tokenizer(), mode, window=(1, 1))
 
 
 @pytest.mark.real_models
@@ -26,12 +29,4 @@ def test_tiny_identity_oracle(family, mode):
 @pytest.mark.parametrize("mode", ["full", "window"])
 def test_real_identity_oracle(model_fixture, mode, request):
     model, tokenizer = request.getfixturevalue(model_fixture)
-    options = {"injection_mode": mode}
-    if mode == "window":
-        options.update(injection_start=2, injection_layers=6)
-    translator = identity_translator(model, tokenizer, **options)
-    for context in CONTEXTS:
-        native, translated = native_and_translated(
-            model, tokenizer, translator, context, PROMPT, max_new_tokens=32, do_sample=False
-        )
-        assert translated.tolist() == native.tolist(), context
+    _assert_oracle(model, tokenizer, mode, window=(2, 6))
