@@ -13,6 +13,10 @@ __version__ = "0.1.0"
 
 AutoConfig.register(MoTConfig.model_type, MoTConfig, exist_ok=True)
 AutoModel.register(MoTConfig, MoTTranslator, exist_ok=True)
+# `save_pretrained` then also writes the modeling files and an `auto_map`, so that users without hf_mot can
+# load a translator with `AutoModel.from_pretrained(repo, trust_remote_code=True)`.
+MoTConfig.register_for_auto_class()
+MoTTranslator.register_for_auto_class("AutoModel")
 
 __all__ = [
     "MoTConfig",

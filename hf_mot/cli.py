@@ -96,7 +96,7 @@ def _info(args: argparse.Namespace) -> None:
     start, count = config.produced_layer_range()
     print(
         f"translator: {config.num_experts} experts (top-{config.num_experts_per_token}), hidden {config.hidden_size}, "
-        f"source window {config.source_window} ({config.layer_alignment}), {config.injection_mode} mode, "
+        f"expert width {config.expert_hidden_size}, {config.injection_mode} mode, "
         f"target layers {start}-{start + count - 1}"
     )
 

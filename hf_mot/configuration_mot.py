@@ -6,7 +6,6 @@ from transformers import PretrainedConfig
 
 from .kv import KVLayout
 
-LAYER_ALIGNMENTS = ("uniform", "bottom", "top")
 INJECTION_MODES = ("full", "window")
 INITS = ("random", "identity")
 
@@ -19,17 +18,13 @@ class MoTConfig(PretrainedConfig):
         source (`dict`): the source model's cache layout and identity, as recorded by [`KVLayout`]
             (model type, depth, KV heads, head dim, vocab size, tokenizer fingerprint, ...).
         target (`dict`): the same for the target model.
-        hidden_size (`int`, *optional*, defaults to 256): width of the translator's token representation.
-        expert_hidden_size (`int`, *optional*, defaults to 256): inner width of each expert MLP.
+        hidden_size (`int`, *optional*, defaults to 256): width of the translator's token representation (the
+            source's stacked per-layer features are projected to it, and the target's are projected from it).
+        expert_hidden_size (`int`, *optional*, defaults to 512): inner width of each expert MLP.
         num_experts (`int`, *optional*, defaults to 4): translator experts per mixture (keys and values each
             have their own mixture).
         num_experts_per_token (`int`, *optional*, defaults to 2): experts the router picks for each token (top-k
             softmax gating).
-        source_window (`int`, *optional*): how many adjacent source layers feed each target layer (defaults to 3,
-            or the source depth if smaller).
-        layer_alignment (`str`, *optional*, defaults to `"uniform"`): which source layers a target layer reads:
-            `"uniform"` spreads the target depth over the source depth, `"bottom"` pairs layers from the first
-            layer up, `"top"` from the last layer down.
         injection_mode (`str`, *optional*, defaults to `"full"`): `"full"` translates every target layer and
             the target runs no pass over the context; `"window"` translates the layers
             `[injection_start, injection_start + injection_layers)` and the target replays the context through
@@ -57,11 +52,9 @@ class MoTConfig(PretrainedConfig):
     source: dict | None = None
     target: dict | None = None
     hidden_size: int = 256
-    expert_hidden_size: int = 256
+    expert_hidden_size: int = 512
     num_experts: int = 4
     num_experts_per_token: int = 2
-    source_window: int | None = None
-    layer_alignment: str = "uniform"
     injection_mode: str = "full"
     injection_start: int = 0
     injection_layers: int | None = None
@@ -71,13 +64,12 @@ class MoTConfig(PretrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         for name, allowed in (
-            ("layer_alignment", LAYER_ALIGNMENTS),
             ("injection_mode", INJECTION_MODES),
             ("init", INITS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
-        for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "source_window"):
+        for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if self.num_experts_per_token > self.num_experts:
@@ -88,12 +80,6 @@ class MoTConfig(PretrainedConfig):
         if self.source is None or self.target is None:
             return
         source, target = self.source_layout, self.target_layout
-        if self.source_window is None:
-            self.source_window = min(3, source.num_layers)
-        if self.source_window > source.num_layers:
-            raise ValueError(
-                f"`source_window` ({self.source_window}) exceeds the source depth ({source.num_layers} layers)."
-            )
         if self.injection_layers is None and self.injection_mode == "window":
             self.injection_layers = max(1, target.num_layers // 4)
         start, count = self.produced_layer_range()
@@ -119,19 +105,6 @@ class MoTConfig(PretrainedConfig):
             return 0, self.target["num_layers"]
         return self.injection_start, self.injection_layers
 
-    def source_layers_for(self, target_layer: int) -> list[int]:
-        """The window of source layers that feeds `target_layer`."""
-        n_src, n_tgt = self.source["num_layers"], self.target["num_layers"]
-        if self.layer_alignment == "uniform":
-            center = round(target_layer * (n_src - 1) / max(n_tgt - 1, 1))
-        elif self.layer_alignment == "bottom":
-            center = min(target_layer, n_src - 1)
-        else:
-            center = max(n_src - n_tgt + target_layer, 0)
-        first = center - (self.source_window - 1) // 2
-        first = min(max(first, 0), n_src - self.source_window)
-        return list(range(first, first + self.source_window))
-
     def _check_identity_possible(self) -> None:
         source, target = self.source_layout, self.target_layout
         if source.shape_signature() != target.shape_signature():
@@ -139,11 +112,11 @@ class MoTConfig(PretrainedConfig):
                 "`init='identity'` needs the same model on both sides, got source "
                 f"{source.describe()} and target {target.describe()}. Use `init='random'` for a model pair."
             )
-        if self.source_window != 1 or self.hidden_size != target.feature_size:
+        if self.hidden_size != source.num_layers * source.feature_size:
             raise ValueError(
-                "`init='identity'` needs `source_window=1` and `hidden_size` equal to the KV width "
-                f"({target.feature_size}); got {self.source_window} and {self.hidden_size}. "
-                "`MoTConfig.from_models(cfg, cfg, init='identity')` sets both."
+                "`init='identity'` needs `hidden_size` equal to the stacked KV width of all layers "
+                f"({source.num_layers * source.feature_size}); got {self.hidden_size}. "
+                "`MoTConfig.from_models(cfg, cfg, init='identity')` sets it."
             )
 
     @classmethod
@@ -162,8 +135,8 @@ class MoTConfig(PretrainedConfig):
             source_config / target_config (`PretrainedConfig`): configs of the source and target models.
             source_tokenizer / target_tokenizer (*optional*): recorded as fingerprints so that the translator
                 refuses a tokenizer it was not built for.
-            options: any other [`MoTConfig`] field. With `init="identity"`, `source_window` and `hidden_size`
-                default to the values the identity needs.
+            options: any other [`MoTConfig`] field. With `init="identity"`, `hidden_size` defaults to the
+                value the identity needs.
         """
         from .kv import tokenizer_fingerprint
 
@@ -174,7 +147,5 @@ class MoTConfig(PretrainedConfig):
             target_config, tokenizer_fingerprint(target_tokenizer) if target_tokenizer is not None else None
         )
         if options.get("init") == "identity":
-            options.setdefault("source_window", 1)
-            options.setdefault("hidden_size", target.feature_size)
-            options.setdefault("layer_alignment", "bottom")
+            options.setdefault("hidden_size", source.num_layers * source.feature_size)
         return cls(source=source.to_dict(), target=target.to_dict(), **options)

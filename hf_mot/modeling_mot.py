@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,18 +34,18 @@ def shipped_translator_dir(repo_id: str) -> str | None:
 
 
 class KVMixture(nn.Module):
-    """One mixture of translator experts: maps per-layer source keys (or values) to target keys (or values).
+    """One mixture of translator experts: maps the source's keys (or values) to the target's.
 
-    For each produced target layer and each target token:
+    For each target token:
 
-    1. every source layer is projected to `hidden_size` (one projection per source layer, shared by the target
-       layers that read it), then moved onto target tokens by the token alignment;
-    2. the target layer mixes its window of source layers with learned weights;
-    3. a router picks `num_experts_per_token` experts from the normalised representation plus a target-layer
-       embedding, and their gated outputs are added to it (a residual mixture);
-    4. a per-target-layer projection produces the target's KV heads.
+    1. the token's features from every source layer, stacked, are projected to `hidden_size` (one matrix:
+       what a target layer needs may sit in any source layer), then moved onto target tokens by the alignment;
+    2. a router picks `num_experts_per_token` expert MLPs from the normalised representation, and their gated
+       outputs are added to it (a residual mixture of translators);
+    3. one projection produces the features of every produced target layer at once.
 
-    With the identity init every projection is the identity and every expert outputs zero, so the mixture
+    The experts run once per token, not once per (token, layer): the cost grows with the context length only.
+    With the identity init both projections are identities and every expert outputs zero, so the mixture
     reproduces its input exactly.
     """
 
@@ -51,46 +54,38 @@ class KVMixture(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_token
         start, count = config.produced_layer_range()
-        windows = [config.source_layers_for(layer) for layer in range(start, start + count)]
-        # Only the source layers some window reads get a projection.
-        self.used_source_layers = sorted({s for window in windows for s in window})
-        position = {s: i for i, s in enumerate(self.used_source_layers)}
-        # A plain list, not a buffer: from_pretrained materialises non-persistent buffers uninitialised.
-        self.window_index = [[position[s] for s in w] for w in windows]
-        d, h, n_used, n_out = config.hidden_size, config.expert_hidden_size, len(self.used_source_layers), count
-        self.source_proj = nn.Parameter(torch.empty(n_used, source.feature_size, d))
-        self.source_bias = nn.Parameter(torch.empty(n_used, d))
-        self.window_mix = nn.Parameter(torch.empty(n_out, config.source_window))
-        self.layer_embedding = nn.Parameter(torch.empty(n_out, d))
+        self.produced = (start, count)
+        d, h = config.hidden_size, config.expert_hidden_size
+        self.in_proj = nn.Linear(source.num_layers * source.feature_size, d)
         self.norm = nn.LayerNorm(d)
         self.router = nn.Linear(d, config.num_experts, bias=False)
         self.expert_in = nn.Parameter(torch.empty(config.num_experts, d, h))
         self.expert_in_bias = nn.Parameter(torch.empty(config.num_experts, h))
         self.expert_out = nn.Parameter(torch.empty(config.num_experts, h, d))
         self.expert_out_bias = nn.Parameter(torch.empty(config.num_experts, d))
-        self.out_proj = nn.Parameter(torch.empty(n_out, d, target.feature_size))
-        self.out_bias = nn.Parameter(torch.empty(n_out, target.feature_size))
+        self.out_proj = nn.Linear(d, count * target.feature_size)
 
     @torch.no_grad()
     def reset_parameters(self, identity: bool, std: float) -> None:
-        for param in (self.source_bias, self.expert_in_bias, self.expert_out_bias, self.out_bias):
+        for param in (self.in_proj.bias, self.out_proj.bias, self.expert_in_bias, self.expert_out_bias):
             init.zeros_(param)
-        init.constant_(self.window_mix, 1.0 / self.window_mix.shape[1])
         init.normal_(self.router.weight, std=std)
         init.normal_(self.expert_in, std=std)
         init.ones_(self.norm.weight)
         init.zeros_(self.norm.bias)
         if identity:
-            init.copy_(self.source_proj, torch.eye(*self.source_proj.shape[1:]).expand_as(self.source_proj))
-            init.copy_(self.out_proj, torch.eye(*self.out_proj.shape[1:]).expand_as(self.out_proj))
+            init.copy_(self.in_proj.weight, torch.eye(*self.in_proj.weight.shape))
+            # The produced layers are a contiguous block of the stacked features.
+            start, count = self.produced
+            width = self.out_proj.weight.shape[0]
+            init.copy_(self.out_proj.weight, torch.eye(self.out_proj.weight.shape[1])[start * width // count :][:width])
             init.zeros_(self.expert_out)
-            init.zeros_(self.layer_embedding)
         else:
-            # Scaled so that the projections roughly preserve the scale of their input at init.
-            init.normal_(self.source_proj, std=self.source_proj.shape[1] ** -0.5)
-            init.normal_(self.out_proj, std=self.out_proj.shape[1] ** -0.5)
+            # The input projection roughly preserves scale; the output starts small, so the first steps do not
+            # start from wild keys that swamp the target's attention.
+            init.normal_(self.in_proj.weight, std=self.in_proj.weight.shape[1] ** -0.5)
+            init.normal_(self.out_proj.weight, std=0.1 * self.out_proj.weight.shape[1] ** -0.5)
             init.normal_(self.expert_out, std=std)
-            init.normal_(self.layer_embedding, std=std)
 
     def forward(self, source: torch.Tensor, alignment: TokenAlignment) -> tuple[torch.Tensor, torch.Tensor]:
         """Translate `source` `(source_layers, batch, source_tokens, features)`.
@@ -98,18 +93,14 @@ class KVMixture(nn.Module):
         Returns the target features `(produced_layers, batch, target_tokens, target_features)` and the router's
         load-balancing loss.
         """
-        used = source[self.used_source_layers]
-        projected = torch.einsum("lbsf,lfd->lbsd", used, self.source_proj) + self.source_bias[:, None, None]
-        # Each target layer's window mix as one (out_layers, used_layers) matrix: a single matmul. Mixing
-        # before aligning (both are linear) aligns only the out_layers, not every used source layer.
-        index = torch.tensor(self.window_index, device=projected.device)
-        mix = projected.new_zeros(index.shape[0], projected.shape[0]).scatter(1, index, self.window_mix.to(projected.dtype))
-        hidden = torch.einsum("ol,lbsd->obsd", mix, projected)
-        hidden = alignment.apply(hidden)
+        layers, batch, tokens, features = source.shape
+        stacked = source.permute(1, 2, 0, 3).reshape(batch, tokens, layers * features)
+        # Project before aligning (both are linear): the alignment then moves `hidden_size` features, not all.
+        hidden = alignment.apply(self.in_proj(stacked)[None])[0]
 
-        routed = self.norm(hidden) + self.layer_embedding[:, None, None]
-        flat = routed.reshape(-1, routed.shape[-1])
-        logits = self.router(flat)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        normed = self.norm(flat)
+        logits = self.router(normed)
         gate_logits, chosen = logits.topk(self.top_k, dim=-1)
         gates = gate_logits.softmax(dim=-1)
         mixed = torch.zeros_like(flat)
@@ -117,13 +108,15 @@ class KVMixture(nn.Module):
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            x = flat.index_select(0, rows)
+            x = normed.index_select(0, rows)
             y = F.gelu(x @ self.expert_in[expert] + self.expert_in_bias[expert])
             y = y @ self.expert_out[expert] + self.expert_out_bias[expert]
             mixed.index_add_(0, rows, y * gates[rows, slot].unsqueeze(-1))
-        hidden = hidden + mixed.view_as(hidden)
+        hidden = (flat + mixed).view_as(hidden)
 
-        out = torch.einsum("obtd,odf->obtf", hidden, self.out_proj) + self.out_bias[:, None, None]
+        out = self.out_proj(hidden)  # (batch, target_tokens, produced_layers * target_features)
+        count = self.produced[1]
+        out = out.view(*out.shape[:2], count, -1).permute(2, 0, 1, 3)
         return out, self._load_balancing_loss(logits, chosen)
 
     def _load_balancing_loss(self, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -131,6 +124,46 @@ class KVMixture(nn.Module):
         share = F.one_hot(chosen, self.num_experts).float().mean(dim=(0, 1))
         probability = logits.float().softmax(dim=-1).mean(dim=0)
         return self.num_experts * (share * probability).sum()
+
+def _read_model_card(name_or_path, kwargs: dict) -> str | None:
+    """The `README.md` next to the weights, or `None`."""
+    from transformers.utils import cached_file
+
+    options = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only") if k in kwargs}
+    path = cached_file(
+        str(name_or_path), "README.md", _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False, **options,
+    )
+    return Path(path).read_text(encoding="utf-8") if path else None
+
+
+def _render_default_card(translator: MoTTranslator, repo_id: str) -> str | None:
+    # Imported by name so that the self-contained modeling files (trust_remote_code) do not need model_card.py.
+    try:
+        model_card = importlib.import_module("hf_mot.model_card")
+    except ImportError:
+        return None
+    parameters = sum(p.numel() for p in translator.parameters())
+    return str(model_card.render_model_card(translator.config, repo_id, parameters=parameters))
+
+
+def _write_text_atomically(path: str, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path) or ".", delete=False, suffix=".tmp",
+                                     encoding="utf-8") as tmp:
+        tmp.write(text)
+    os.replace(tmp.name, path)
+
+
+def _upload_folder(folder: str, repo_id: str, *, token=None, private=None, revision=None, commit_message=None):
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    return api.upload_folder(
+        repo_id=repo_id, folder_path=folder, revision=revision, commit_message=commit_message or "Upload translator"
+    )
 
 
 @dataclass
@@ -185,20 +218,82 @@ class MoTTranslator(PreTrainedModel):
         self.value_mixture = KVMixture(config, source, target)
         start, count = config.produced_layer_range()
         self.produced_layers = list(range(start, start + count))
+        self.model_card: str | None = None  # the card it was loaded with; `save_pretrained` writes it back
         self.post_init()
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """Load a translator from a folder or a Hub repo id.
+        """Load a translator from a folder or a Hub repo id (`revision=` pins a branch or commit).
 
         The translators that ship with hf_mot (`SHIPPED_TRANSLATORS`) load from the installed package, offline,
-        when asked for by repo id without a `revision`. Weights load from safetensors only.
+        when asked for by repo id without a `revision`. Weights load from safetensors only, never pickle. The
+        repo's `README.md` model card, if any, is kept in `model_card` and written again by `save_pretrained`.
         """
-        shipped = shipped_translator_dir(str(pretrained_model_name_or_path))
+        name = str(pretrained_model_name_or_path)
+        shipped = shipped_translator_dir(name)
         if shipped is not None and kwargs.get("revision") is None:
-            pretrained_model_name_or_path = shipped
-        kwargs.setdefault("use_safetensors", True)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            pretrained_model_name_or_path = name = shipped
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("`use_safetensors=False`: hf_mot translators load from safetensors only (no pickle).")
+        kwargs["use_safetensors"] = True
+        try:
+            model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except OSError as error:
+            raise OSError(
+                f"Could not load a translator from {name!r}: {error}\nCheck the repo id or folder (and `revision`); "
+                "a translator repo holds config.json and model.safetensors, as `save_pretrained` writes them."
+            ) from error
+        except Exception as error:
+            if "safetensor" not in f"{type(error).__name__} {error}".lower():
+                raise
+            raise ValueError(
+                f"The weights file model.safetensors of {name!r} is corrupted or truncated ({error}). Download "
+                "it again (`force_download=True`) or save the translator again with `save_pretrained`."
+            ) from error
+        model.model_card = _read_model_card(pretrained_model_name_or_path, kwargs)
+        return model
+
+    def save_pretrained(self, save_directory, *args, model_card=None, push_to_hub: bool = False, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus a `README.md` model card.
+
+        The card is `model_card` (a `huggingface_hub.ModelCard` or its text) if given, else the card this
+        translator was loaded with, else one rendered from the config by `hf_mot.model_card`.
+        """
+        repo_id = kwargs.pop("repo_id", None)
+        token = kwargs.get("token")
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            card = model_card if model_card is not None else self.model_card
+            if card is None:
+                card = _render_default_card(self, repo_id or os.path.basename(os.path.normpath(save_directory)))
+            if card is not None:
+                _write_text_atomically(os.path.join(save_directory, "README.md"), str(card))
+        if push_to_hub:
+            return _upload_folder(save_directory, repo_id or os.path.basename(os.path.normpath(save_directory)),
+                                  token=token)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        model_card=None,
+        **kwargs,
+    ):
+        """Upload `config.json`, `model.safetensors`, the modeling files (for `trust_remote_code=True`) and the
+        model card to `repo_id` (created if needed). `revision` names a branch, created from `main` if needed.
+
+        Returns the `huggingface_hub.CommitInfo` of the upload.
+        """
+        if kwargs:
+            raise TypeError(f"MoTTranslator.push_to_hub got unexpected arguments: {sorted(kwargs)}.")
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, model_card=model_card, repo_id=repo_id)
+            return _upload_folder(folder, repo_id, token=token, private=private, revision=revision,
+                                  commit_message=commit_message or "Upload MoT translator")
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):

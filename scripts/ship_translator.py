@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from hf_mot import MoTTranslator
+from hf_mot.data import TRAINING_DATASETS
 from hf_mot.model_card import render_model_card
 from hf_mot.modeling_mot import SHIPPED_TRANSLATORS
 
@@ -82,6 +83,7 @@ def main() -> None:
         training_description=training, evaluation_description=evaluation,
         fidelity=overall,
         parameters=parameters,
+        datasets=list(TRAINING_DATASETS),
     )
 
     name = SHIPPED_TRANSLATORS[args.repo_id]

@@ -1,7 +1,21 @@
-"""Shared fixtures: tiny models built from configs (fast) and the real embedded models (session-scoped)."""
+"""Shared fixtures: tiny models built from configs (fast), the real embedded models (session-scoped), and a
+Hub-compatible server on loopback."""
 
+import os
 import string
+import tempfile
 import warnings
+
+from hub_server import HubServer
+
+# huggingface_hub reads its endpoint and cache folders when it is imported, so the test Hub starts and the
+# environment points at it before anything imports transformers: every Hub call of the session goes to
+# 127.0.0.1, and the Hub cache is a fresh temporary folder.
+HUB = HubServer().__enter__()
+os.environ["HF_ENDPOINT"] = HUB.url
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf_mot_tests_hf_home_")
+os.environ["HF_TOKEN"] = "hf_mot_test_token"
+os.environ.pop("HF_HUB_OFFLINE", None)
 
 import pytest
 import torch
@@ -168,3 +182,9 @@ def native_and_translated(model, tokenizer, translator, contexts, prompt, *, inj
         **{cache_kwarg(model): cache}, **generate_kwargs,
     )
     return native[:, full_ids.shape[1]:], translated[:, prompt_ids.shape[1]:]
+
+
+@pytest.fixture
+def hub():
+    """The loopback Hub server of this test session (`hub.url`, `hub.state.repos`)."""
+    return HUB

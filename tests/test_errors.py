@@ -126,9 +126,9 @@ def test_full_mode_needs_every_layer(pair):
     "options, message",
     [
         (dict(num_experts=2, num_experts_per_token=3), r"`num_experts_per_token` \(3\) must be <= `num_experts` \(2\)"),
-        (dict(layer_alignment="middle"), r"`layer_alignment` must be one of"),
+        (dict(injection_mode="partial"), r"`injection_mode` must be one of"),
         (dict(injection_mode="window", injection_start=2, injection_layers=4), r"injection window \[2, 6\)"),
-        (dict(source_window=9), r"`source_window` \(9\) exceeds the source depth"),
+        (dict(init="identity", hidden_size=8), r"`init='identity'` needs `hidden_size` equal to"),
     ],
 )
 def test_config_validation(options, message):

@@ -47,11 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     translator = parser.add_argument_group("translator")
     translator.add_argument("--init-from", help="start from this translator (path or repo id) instead of scratch")
     translator.add_argument("--hidden-size", type=int, default=256)
-    translator.add_argument("--expert-hidden-size", type=int, default=256)
+    translator.add_argument("--expert-hidden-size", type=int, default=512)
     translator.add_argument("--num-experts", type=int, default=4)
     translator.add_argument("--num-experts-per-token", type=int, default=2)
-    translator.add_argument("--source-window", type=int, default=None)
-    translator.add_argument("--layer-alignment", choices=["uniform", "bottom", "top"], default="uniform")
     translator.add_argument("--injection-mode", choices=["full", "window"], default="full")
     translator.add_argument("--injection-start", type=int, default=0)
     translator.add_argument("--injection-layers", type=int, default=None)
@@ -89,8 +87,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         config = MoTConfig.from_models(
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
             hidden_size=args.hidden_size, expert_hidden_size=args.expert_hidden_size, num_experts=args.num_experts,
-            num_experts_per_token=args.num_experts_per_token, source_window=args.source_window,
-            layer_alignment=args.layer_alignment, injection_mode=args.injection_mode,
+            num_experts_per_token=args.num_experts_per_token, injection_mode=args.injection_mode,
             injection_start=args.injection_start, injection_layers=args.injection_layers,
         )
         torch.manual_seed(args.seed)
