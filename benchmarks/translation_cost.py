@@ -20,7 +20,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -28,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,9 +36,9 @@ from transformers import DynamicCache
 from hf_mot import MoTConfig, MoTTranslator, load_model
 from hf_mot._compat import cache_kwarg
 from hf_mot.data import long_text
+from hf_mot.evaluation.cost import PeakRSS
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
 from hf_mot.pipeline import align_contexts, build_translated_cache, encode_contexts, prefill_source
-
 
 STEPS = ["translate_full", "translate_window", "native_target_prefill", "source_prefill"]
 LABELS = {
@@ -49,37 +47,6 @@ LABELS = {
     "native_target_prefill": "target prefill",
     "source_prefill": "source prefill",
 }
-
-
-class PeakRSS:
-    """Peak resident set size above the starting point, sampled by a thread while the block runs."""
-
-    def __init__(self, interval: float = 0.001):
-        self.interval = interval
-        self.page = os.sysconf("SC_PAGE_SIZE")
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    def __enter__(self):
-        gc.collect()
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(self.interval)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-        self.added_mb = (self.peak - self.start) / 2**20
 
 
 def measure(fn, trials: int, memory: bool) -> dict:

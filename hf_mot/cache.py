@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
@@ -95,3 +99,53 @@ class TranslatedCache(DynamicCache):
         """The `attention_mask` for `generate()`: the context mask with ones for `num_new_tokens` new tokens."""
         ones = torch.ones(self.attention_mask.shape[0], num_new_tokens, dtype=self.attention_mask.dtype)
         return torch.cat([self.attention_mask, ones.to(self.attention_mask.device)], dim=1)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the cache to a safetensors file (written to a temporary file, then renamed)."""
+        from safetensors.torch import save_file
+
+        tensors = {"attention_mask": self.attention_mask.contiguous()}
+        lengths = []
+        for index, layer in enumerate(self.layers):
+            tensors[f"layers.{index}.keys"] = layer.keys.contiguous()
+            tensors[f"layers.{index}.values"] = layer.values.contiguous()
+            # Sliding-window layers keep only their window but count every token they have seen.
+            lengths.append(getattr(layer, "cumulative_length", layer.keys.shape[-2]))
+        metadata = {
+            "format": "hf_mot.TranslatedCache", "source_id": self.source_id, "target_id": self.target_id,
+            "injection_mode": self.injection_mode, "seen_tokens": json.dumps(lengths),
+        }
+        folder = os.path.dirname(os.path.abspath(path))
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as tmp:
+            pass
+        try:
+            save_file(tensors, tmp.name, metadata=metadata)
+            os.replace(tmp.name, path)
+        finally:
+            if os.path.exists(tmp.name):
+                os.unlink(tmp.name)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, config: PretrainedConfig) -> TranslatedCache:
+        """Read a cache written by `save` for a target model with config `config`."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != "hf_mot.TranslatedCache":
+                raise ValueError(f"{path} is not a translated cache written by `TranslatedCache.save`.")
+            names = set(f.keys())
+            tensors = {name: f.get_tensor(name) for name in names}
+        cache = cls(config, attention_mask=tensors["attention_mask"], source_id=metadata["source_id"],
+                    target_id=metadata["target_id"], injection_mode=metadata["injection_mode"])
+        seen = json.loads(metadata["seen_tokens"])
+        if len(seen) != len(cache.layers):
+            raise ValueError(
+                f"{path} holds {len(seen)} layers but the target config has {len(cache.layers)}: load it with the "
+                f"config of the target it was translated for ({metadata['target_id'] or 'see its metadata'})."
+            )
+        for index, layer in enumerate(cache.layers):
+            DynamicCache.update(cache, tensors[f"layers.{index}.keys"], tensors[f"layers.{index}.values"], index)
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = seen[index]
+        return cache

