@@ -41,17 +41,20 @@ def main() -> None:
     parser.add_argument("--window", type=int, nargs=2, default=[0, 6], metavar=("START", "COUNT"),
                         help="target layers injected in window mode")
     parser.add_argument("--no-window", action="store_true", help="evaluate full mode only")
+    parser.add_argument("--full-only", nargs="+", default=[], metavar="NAME",
+                        help="translators to run in full mode only")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/lm_fidelity.json"))
     args = parser.parse_args()
 
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
     examples = heldout_examples(target_tok, tuple(args.lengths), args.per_length, args.continuation_tokens)
-    conditions = {"full": {"injection_mode": "full"}}
+    modes = {"full": {"injection_mode": "full"}}
     if not args.no_window:
-        conditions["window"] = {"injection_mode": "window", "injection_window": tuple(args.window)}
+        modes["window"] = {"injection_mode": "window", "injection_window": tuple(args.window)}
 
-    results = {}
+    # One pass over the examples: the native and no-context scores are shared by every translator.
+    conditions, paths = {}, {}
     for spec in args.translator:
         name, _, path = spec.partition("=")
         if path == "untrained":
@@ -61,34 +64,45 @@ def main() -> None:
             ))
         else:
             translator = MoTTranslator.from_pretrained(path)
-        translator.eval()
-        start = time.perf_counter()
-        rows = evaluate_fidelity(
-            examples, translator=translator, source_model=source, source_tokenizer=source_tok,
-            target_model=target, target_tokenizer=target_tok, conditions=conditions,
-        )
+        paths[name] = path
+        for mode, options in modes.items():
+            if mode == "full" or name not in args.full_only:
+                conditions[f"{name}/{mode}"] = {**options, "translator": translator.eval()}
+    start = time.perf_counter()
+    rows = evaluate_fidelity(
+        examples, translator=None, source_model=source, source_tokenizer=source_tok,
+        target_model=target, target_tokenizer=target_tok, conditions=conditions,
+    )
+    seconds = time.perf_counter() - start
+
+    def per_translator(summary: dict, name: str) -> dict:
+        shared = {k: v for k, v in summary.items() if not isinstance(v, dict)}
+        return {**shared, **{c.split("/")[1]: v for c, v in summary.items() if c.startswith(f"{name}/")}}
+
+    results = {}
+    for name, path in paths.items():
         by_length = {
-            length: summarize([r for r in rows if r["context_tokens"] == length], list(conditions))
+            length: per_translator(
+                summarize([r for r in rows if r["context_tokens"] == length], list(conditions)), name
+            )
             for length in args.lengths
         }
-        results[name] = {
-            "path": path, "overall": summarize(rows, list(conditions)), "by_length": by_length,
-            "seconds": time.perf_counter() - start,
-        }
+        results[name] = {"path": path, "overall": per_translator(summarize(rows, list(conditions)), name),
+                         "by_length": by_length, "seconds_all_translators": seconds}
 
     lines = [
         "| translator | mode | context tokens | examples | NLL no context | NLL native | NLL translated "
-        "| gap closed | top-1 agreement | KL |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| gap closed | top-1 agreement | KL | KL at the first position |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, result in results.items():
-        for mode in conditions:
+        for mode in [m for m in modes if m in result["overall"]]:
             for label, summary in [*result["by_length"].items(), ("all", result["overall"])]:
                 m = summary[mode]
                 lines.append(
                     f"| {name} | {mode} | {label} | {summary['examples']} | {summary['nll_no_context']:.3f} "
                     f"| {summary['nll_native']:.3f} | {m['nll']:.3f} | {100 * m['gap_closed']:.1f}% "
-                    f"| {100 * m['top1_agreement']:.1f}% | {m['kl']:.3f} |"
+                    f"| {100 * m['top1_agreement']:.1f}% | {m['kl']:.3f} | {m['kl_by_position'][0]:.3f} |"
                 )
     table = "\n".join(lines)
     print(table)
@@ -107,27 +121,34 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", dir=args.output.parent, delete=False, suffix=".tmp") as f:
         json.dump(report, f, indent=2)
     os.replace(f.name, args.output)
-    plot(results, conditions, args.output.with_suffix(".png"))
+    plot(results, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 
 
-def plot(results: dict, conditions: dict, path: Path) -> None:
+def plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for name, result in results.items():
         lengths = list(result["by_length"])
-        for mode in conditions:
+        for mode in [m for m in ("full", "window") if m in result["overall"]]:
             gap = [100 * result["by_length"][n][mode]["gap_closed"] for n in lengths]
             agree = [100 * result["by_length"][n][mode]["top1_agreement"] for n in lengths]
             axes[0].plot(lengths, gap, marker="o", label=f"{name} ({mode})")
             axes[1].plot(lengths, agree, marker="o", label=f"{name} ({mode})")
+            by_position = result["overall"][mode]["kl_by_position"]
+            axes[2].plot(range(1, len(by_position) + 1), by_position, label=f"{name} ({mode})")
     axes[0].set_ylabel("share of the NLL gap closed (%)")
     axes[1].set_ylabel("top-1 agreement with native (%)")
-    for ax in axes:
+    axes[2].set_xlabel("prediction position after the context")
+    axes[2].set_ylabel("KL(native || translated), mean")
+    axes[2].set_title("last-state shift: error right after the context", fontsize=9)
+    axes[2].grid(alpha=0.3)
+    axes[2].legend(fontsize=8)
+    for ax in axes[:2]:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (target tokens)")
         ax.grid(alpha=0.3)

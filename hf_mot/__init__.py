@@ -5,8 +5,8 @@ from transformers import AutoConfig, AutoModel
 from .alignment import TokenAlignment
 from .cache import TranslatedCache
 from .configuration_mot import MoTConfig
-from .models import load_model
 from .modeling_mot import MoTOutput, MoTTranslator
+from .models import load_model
 from .pipeline import translate_context
 
 __version__ = "0.1.0"

@@ -156,10 +156,15 @@ def _timed(fn):
 
 
 def _info(args: argparse.Namespace) -> None:
-    """Print which source and target models a translator was built for, and its shape."""
-    from . import MoTConfig
+    """Print which source and target models a translator was built for, its shape, and the figures its model
+    card reports."""
+    from huggingface_hub import ModelCard
 
-    config = MoTConfig.from_pretrained(args.translator)
+    from . import MoTConfig
+    from .modeling_mot import _read_model_card, shipped_translator_dir
+
+    location = shipped_translator_dir(args.translator) or args.translator
+    config = MoTConfig.from_pretrained(location)
     source, target = config.source_layout, config.target_layout
     print(f"source: {source.name_or_path or '?'}  {source.describe()}")
     print(f"target: {target.name_or_path or '?'}  {target.describe()}")
@@ -169,6 +174,13 @@ def _info(args: argparse.Namespace) -> None:
         f"expert width {config.expert_hidden_size}, {config.injection_mode} mode, "
         f"target layers {start}-{start + count - 1}"
     )
+    card = _read_model_card(location, {})
+    results = ModelCard(card).data.eval_results if card else None
+    if not results:
+        print("measured: nothing reported in its model card (`hf-mot evaluate` measures it)")
+    for result in results or []:
+        print(f"measured: {result.task_name}, {result.dataset_name} ({result.dataset_split}): "
+              f"{result.metric_type} = {result.metric_value}")
 
 
 def _add_pair_arguments(parser: argparse.ArgumentParser, *, context: bool) -> None:

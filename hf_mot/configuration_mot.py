@@ -8,6 +8,7 @@ from .kv import KVLayout
 
 INJECTION_MODES = ("full", "window")
 INITS = ("random", "identity")
+ARCHITECTURES = ("mixture", "per_layer")
 
 
 class MoTConfig(PretrainedConfig):
@@ -35,6 +36,9 @@ class MoTConfig(PretrainedConfig):
         init (`str`, *optional*, defaults to `"random"`): `"identity"` builds the exact identity translator,
             which only makes sense with the same model on both sides (the oracle of the test suite).
         initializer_range (`float`, *optional*, defaults to 0.02): std of the random weight init.
+        architecture (`str`, *optional*, defaults to `"mixture"`): `"mixture"` is the Mixture of Translators;
+            `"per_layer"` is the Cache-to-Cache-style baseline (one MLP per target layer over one source layer's
+            keys and values, `expert_hidden_size` wide; no router).
 
     Example:
 
@@ -59,6 +63,7 @@ class MoTConfig(PretrainedConfig):
     injection_start: int = 0
     injection_layers: int | None = None
     init: str = "random"
+    architecture: str = "mixture"
     initializer_range: float = 0.02
 
     def __post_init__(self, **kwargs):
@@ -66,6 +71,7 @@ class MoTConfig(PretrainedConfig):
         for name, allowed in (
             ("injection_mode", INJECTION_MODES),
             ("init", INITS),
+            ("architecture", ARCHITECTURES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
@@ -89,6 +95,8 @@ class MoTConfig(PretrainedConfig):
                 "layers: choose `injection_start` and `injection_layers` inside it."
             )
         if self.init == "identity":
+            if self.architecture != "mixture":
+                raise ValueError("`init='identity'` needs `architecture='mixture'`.")
             self._check_identity_possible()
 
     @property

@@ -91,7 +91,8 @@ def _strip_wikitext(text: str) -> str:
     text = re.sub(r"\[\[(?:[^\]|]*\|)?([^\]]*)\]\]", r"\1", text)
     text = re.sub(r"\[https?://\S+ ?([^\]]*)\]", r"\1", text)
     text = re.sub(r"'{2,}|={2,}[^=\n]*={2,}", " ", text)
-    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(("*", "#", "|", "!", ":", ";"))]
+    markup = ("*", "#", "|", "!", ":", ";")  # lists, tables, indents: not prose
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(markup)]
     return " ".join(" ".join(lines).split())
 
 

@@ -19,7 +19,6 @@ from .alignment import TokenAlignment
 from .configuration_mot import MoTConfig
 from .kv import KVLayout, tokenizer_fingerprint
 
-
 # Repo ids of the translators shipped inside the package, and their folders under `hf_mot/pretrained/`.
 SHIPPED_TRANSLATORS = {"hf-mot/smollm2-135m-to-gemma3-270m": "smollm2-135m-to-gemma3-270m"}
 
@@ -82,7 +81,8 @@ class KVMixture(nn.Module):
             # The produced layers are a contiguous block of the stacked features.
             start, count = self.produced
             width = self.out_proj.weight.shape[0]
-            init.copy_(self.out_proj.weight, torch.eye(self.out_proj.weight.shape[1])[start * width // count :][:width])
+            rows = torch.eye(self.out_proj.weight.shape[1])[start * width // count :][:width]
+            init.copy_(self.out_proj.weight, rows)
             init.zeros_(self.expert_out)
         else:
             # The input projection roughly preserves scale; the output starts small, so the first steps do not
@@ -128,6 +128,44 @@ class KVMixture(nn.Module):
         share = F.one_hot(chosen, self.num_experts).float().mean(dim=(0, 1))
         probability = logits.float().softmax(dim=-1).mean(dim=0)
         return self.num_experts * (share * probability).sum()
+
+class PerLayerProjector(nn.Module):
+    """Baseline in the style of Cache-to-Cache: for each target layer, one MLP over the concatenated keys and
+    values of one source layer (picked by relative depth). No router, no mixture, no cross-layer reading.
+
+    `expert_hidden_size` is the MLP width; `MoTConfig.per_layer_width_for_budget` gives the width that matches
+    a mixture's parameter count.
+    """
+
+    def __init__(self, config: MoTConfig, source: KVLayout, target: KVLayout):
+        super().__init__()
+        start, count = config.produced_layer_range()
+        n_source, n_target = source.num_layers, target.num_layers
+        self.source_layers = [
+            round(layer * (n_source - 1) / max(n_target - 1, 1)) for layer in range(start, start + count)
+        ]
+        self.target_features = target.feature_size
+        inner, width_out = config.expert_hidden_size, 2 * target.feature_size
+        self.w_in = nn.Parameter(torch.empty(count, 2 * source.feature_size, inner))
+        self.b_in = nn.Parameter(torch.empty(count, inner))
+        self.w_out = nn.Parameter(torch.empty(count, inner, width_out))
+        self.b_out = nn.Parameter(torch.empty(count, width_out))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
+        init.normal_(self.w_out, std=0.1 * self.w_out.shape[1] ** -0.5)
+        init.zeros_(self.b_in)
+        init.zeros_(self.b_out)
+
+    def forward(self, keys: torch.Tensor, values: torch.Tensor, alignment: TokenAlignment):
+        """`(source_layers, batch, source_tokens, features)` keys and values -> the target's, per produced
+        layer `(layers, batch, target_tokens, target_features)`."""
+        x = alignment.apply(torch.cat([keys, values], dim=-1)[self.source_layers])
+        hidden = F.gelu(torch.einsum("cbtf,cfh->cbth", x, self.w_in) + self.b_in[:, None, None])
+        out = torch.einsum("cbth,chf->cbtf", hidden, self.w_out) + self.b_out[:, None, None]
+        return out.split(self.target_features, dim=-1)
+
 
 def _read_model_card(name_or_path, kwargs: dict) -> str | None:
     """The `README.md` next to the weights, or `None`."""
@@ -218,8 +256,11 @@ class MoTTranslator(PreTrainedModel):
                 "`MoTConfig.from_models(source_model.config, target_model.config)`."
             )
         source, target = config.source_layout, config.target_layout
-        self.key_mixture = KVMixture(config, source, target)
-        self.value_mixture = KVMixture(config, source, target)
+        if config.architecture == "per_layer":
+            self.projector = PerLayerProjector(config, source, target)
+        else:
+            self.key_mixture = KVMixture(config, source, target)
+            self.value_mixture = KVMixture(config, source, target)
         start, count = config.produced_layer_range()
         self.produced_layers = list(range(start, start + count))
         self.model_card: str | None = None  # the card it was loaded with; `save_pretrained` writes it back
@@ -302,6 +343,8 @@ class MoTTranslator(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):
             module.reset_parameters(identity=self.config.init == "identity", std=self.config.initializer_range)
+        elif isinstance(module, PerLayerProjector):
+            module.reset_parameters()
 
     @property
     def source_layout(self) -> KVLayout:
@@ -326,16 +369,24 @@ class MoTTranslator(PreTrainedModel):
             alignment ([`TokenAlignment`]): target tokens onto source tokens.
         """
         target = self.target_layout
-        outputs, aux = [], []
-        for tensors, mixture in ((source_keys, self.key_mixture), (source_values, self.value_mixture)):
+
+        def features(tensors):
             stacked = torch.stack(tensors).to(self.dtype)  # (layers, batch, heads, tokens, dim)
             layers, batch, heads, tokens, dim = stacked.shape
-            features = stacked.permute(0, 1, 3, 2, 4).reshape(layers, batch, tokens, heads * dim)
-            translated, balance = mixture(features, alignment)
-            translated = translated.view(*translated.shape[:3], target.num_kv_heads, target.head_dim)
-            outputs.append(list(translated.permute(0, 1, 3, 2, 4).unbind(0)))
-            aux.append(balance)
-        return MoTOutput(keys=outputs[0], values=outputs[1], layers=self.produced_layers, aux_loss=sum(aux) / 2)
+            return stacked.permute(0, 1, 3, 2, 4).reshape(layers, batch, tokens, heads * dim)
+
+        def heads(translated):
+            translated = translated.reshape(*translated.shape[:3], target.num_kv_heads, target.head_dim)
+            return list(translated.permute(0, 1, 3, 2, 4).unbind(0))
+
+        if self.config.architecture == "per_layer":
+            keys, values = self.projector(features(source_keys), features(source_values), alignment)
+            zero = keys.new_zeros(())
+            return MoTOutput(keys=heads(keys), values=heads(values), layers=self.produced_layers, aux_loss=zero)
+        keys, key_balance = self.key_mixture(features(source_keys), alignment)
+        values, value_balance = self.value_mixture(features(source_values), alignment)
+        return MoTOutput(keys=heads(keys), values=heads(values), layers=self.produced_layers,
+                         aux_loss=(key_balance + value_balance) / 2)
 
     def check_pair(self, source_model=None, target_model=None, source_tokenizer=None, target_tokenizer=None) -> None:
         """Raise a `ValueError` if the given models or tokenizers are not the ones this translator was built for."""

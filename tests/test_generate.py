@@ -3,7 +3,6 @@
 import pytest
 import torch
 from conftest import CONTEXTS, char_tokenizer, identity_translator, native_and_translated, tiny_model
-
 from transformers import DynamicCache
 
 from hf_mot import TranslatedCache, translate_context

@@ -29,6 +29,18 @@ def _check_generates(source, source_tok, target, target_tok, translator, context
     assert ((out >= 0) & (out < target.config.vocab_size)).all()
 
 
+def test_per_layer_baseline_generates():
+    source, target = tiny_model("opt", seed=1), tiny_model("gemma3", seed=2)
+    source_tok, target_tok = char_tokenizer(), bpe_tokenizer()
+    config = MoTConfig.from_models(source.config, target.config, source_tokenizer=source_tok,
+                                   target_tokenizer=target_tok, architecture="per_layer", expert_hidden_size=24)
+    translator = MoTTranslator(config).eval()
+    assert not hasattr(translator, "key_mixture")
+    assert translator.projector.source_layers == [0, 0, 1]  # 2 source layers spread over 3 target layers
+    for mode in ("full", "window"):
+        _check_generates(source, source_tok, target, target_tok, translator, CONTEXTS[:2], mode)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("mode", ["full", "window"])
 @pytest.mark.parametrize("source_family, target_family", [("llama", "gemma3"), ("gpt2", "qwen2"), ("opt", "llama")])

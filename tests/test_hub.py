@@ -80,7 +80,8 @@ def test_revisions(hub, tmp_path):
 
 
 def test_missing_repo_file_and_revision(hub, tmp_path):
-    with pytest.raises(OSError, match=r"(?s)Could not load a translator from .hf-mot-test/no-such-repo.*Check the repo"):
+    missing = r"(?s)Could not load a translator from .hf-mot-test/no-such-repo.*Check the repo"
+    with pytest.raises(OSError, match=missing):
         MoTTranslator.from_pretrained("hf-mot-test/no-such-repo", cache_dir=tmp_path)
     api = HfApi()
     api.create_repo("hf-mot-test/config-only")

@@ -49,3 +49,23 @@ def test_beats_no_context_on_held_out_text(smollm2, gemma3):
     summary = summarize(rows, ["full"])
     assert summary["full"]["nll"] < summary["nll_no_context"]
     assert summary["full"]["top1_agreement"] > 0.3
+
+
+def test_info_reports_the_measured_figures_offline(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "hf_mot.cli", "info", REPO_ID], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "target: gemma3-270m" in result.stdout
+    assert "measured: LM fidelity (full mode)" in result.stdout and "gap_closed = 0." in result.stdout
+
+
+@pytest.mark.real_models
+def test_the_card_usage_snippet_runs(tmp_path):
+    card = (Path(shipped_translator_dir(REPO_ID)) / "README.md").read_text()
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip(), "the snippet prints the target's answer"

@@ -17,10 +17,10 @@ from hf_mot.training import LossWeights, MoTDataCollator, MoTTrainer, MoTTrainin
 from hf_mot.training.data import ContextContinuationDataset, cut_chunks, document_split
 
 
-def _pair(mode="full"):
+def _pair(mode="full", architecture="mixture"):
     source, target = tiny_model("llama", seed=1), tiny_model("gemma3", seed=2)
     source_tok, target_tok = char_tokenizer(), bpe_tokenizer()
-    options = {"injection_mode": mode}
+    options = {"injection_mode": mode, "architecture": architecture}
     if mode == "window":
         options.update(injection_start=1, injection_layers=1)
     config = MoTConfig.from_models(source.config, target.config, source_tokenizer=source_tok,
@@ -50,8 +50,9 @@ def test_every_term_is_finite_and_reaches_only_the_translator(mode):
         assert all(p.grad is None for p in list(source.parameters()) + list(target.parameters())), term
 
 
-def test_one_step_lowers_the_loss_on_a_fixed_batch(tmp_path):
-    translator, source, target, collate = _pair()
+@pytest.mark.parametrize("architecture", ["mixture", "per_layer"])
+def test_one_step_lowers_the_loss_on_a_fixed_batch(tmp_path, architecture):
+    translator, source, target, collate = _pair(architecture=architecture)
     batch = collate(_examples())
     before = context_correction_loss(translator, source, target, batch, LossWeights(), "full").total.item()
     args = MoTTrainingArguments(str(tmp_path), max_steps=1, learning_rate=3e-3, per_device_train_batch_size=4,

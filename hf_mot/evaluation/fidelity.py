@@ -102,7 +102,8 @@ def evaluate_fidelity(
     """Score every example natively, without context, and under each translated condition.
 
     Args:
-        conditions: name -> keyword arguments of `translate_context` (e.g. `{"injection_mode": "full"}`).
+        conditions: name -> keyword arguments of `translate_context` (e.g. `{"injection_mode": "full"}`); a
+            `"translator"` entry overrides `translator`, so several translators share one pass.
 
     Returns:
         One dict per example: `context_tokens`, `corpus`, and per condition the summed NLL, the number of
@@ -125,8 +126,9 @@ def evaluate_fidelity(
         # The source reads the context once; every condition translates that same cache.
         source_cache = prefill_source(source_model, encode_contexts(source_tokenizer, [example.context]))
         for name, options in conditions.items():
+            options = dict(options)
             cache = translate_context(
-                example.context, translator=translator, source_model=source_model,
+                example.context, translator=options.pop("translator", translator), source_model=source_model,
                 source_tokenizer=source_tokenizer, target_model=target_model, target_tokenizer=target_tokenizer,
                 source_cache=source_cache, **options,
             )
@@ -134,10 +136,13 @@ def evaluate_fidelity(
                 target_model, continuation, cache.get_seq_length(), cache=cache, prefix_mask=cache.attention_mask
             )
             logp = logits.log_softmax(-1)
+            kl = (native_logp.exp() * (native_logp - logp)).sum(-1)
             row[name] = {
                 "nll": F.cross_entropy(logits, targets, reduction="sum").item(),
                 "top1_agree": (logits.argmax(-1) == native.argmax(-1)).sum().item(),
-                "kl": F.kl_div(logp, native_logp, log_target=True, reduction="sum").item(),
+                "kl": kl.sum().item(),
+                # Position 0 is the first prediction after the context: where last-state shift shows.
+                "kl_by_position": kl.tolist(),
             }
         rows.append(row)
     return rows
@@ -156,5 +161,9 @@ def summarize(rows: list[dict], conditions: list[str]) -> dict:
             "gap_closed": (none - nll) / (none - native) if none != native else float("nan"),
             "top1_agreement": sum(r[name]["top1_agree"] for r in rows) / scored,
             "kl": sum(r[name]["kl"] for r in rows) / scored,
+            "kl_by_position": [
+                sum(values) / len(values)
+                for values in zip(*(r[name]["kl_by_position"] for r in rows), strict=False)
+            ],
         }
     return out

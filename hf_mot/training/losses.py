@@ -59,7 +59,7 @@ def _continue(model: PreTrainedModel, cache, context_mask: torch.Tensor, batch: 
     ).logits
 
 
-def _native_kv(target_model: PreTrainedModel, batch: dict) -> tuple[DynamicCache, list]:
+def native_context_kv(target_model: PreTrainedModel, batch: dict) -> tuple[DynamicCache, list]:
     # A config-less DynamicCache keeps every token of sliding-window layers, for the per-layer comparison.
     cache = DynamicCache()
     decoder = target_model.get_decoder()
@@ -108,7 +108,7 @@ def context_correction_loss(
             position_ids=positions_from_mask(source_mask), use_cache=True, **{cache_kwarg(decoder): source_cache},
         )
         source = read_source_cache(source_cache, source_model, source_mask, positions_from_mask(source_mask))
-        native_cache, native_kv = _native_kv(target_model, batch)
+        native_cache, native_kv = native_context_kv(target_model, batch)
         native_logits = _continue(target_model, native_cache, target_mask, batch) if weights.kl else None
 
     out = translator(source.keys, source.values, batch["alignment"])

@@ -10,7 +10,10 @@ Re-running with the same `--output-dir` resumes from its last checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
+import tempfile
 import time
 
 import torch
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     translator.add_argument("--expert-hidden-size", type=int, default=512)
     translator.add_argument("--num-experts", type=int, default=4)
     translator.add_argument("--num-experts-per-token", type=int, default=2)
+    translator.add_argument("--architecture", choices=["mixture", "per_layer"], default="mixture",
+                            help="mixture of translators, or the per-layer (Cache-to-Cache-style) baseline")
     translator.add_argument("--injection-mode", choices=["full", "window"], default="full")
     translator.add_argument("--injection-start", type=int, default=0)
     translator.add_argument("--injection-layers", type=int, default=None)
@@ -77,7 +82,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RECORD = "train_command.json"
+
+
+def record_command(args: argparse.Namespace, argv: list[str]) -> None:
+    """Write the run's arguments to `RECORD` in its output dir (with those of the run it started from, if
+    any), so that model cards can say how a translator was trained."""
+    record = {"argv": argv, "args": vars(args)}
+    if args.init_from and os.path.isfile(os.path.join(args.init_from, RECORD)):
+        with open(os.path.join(args.init_from, RECORD), encoding="utf-8") as f:
+            record["init_from_record"] = json.load(f)
+    os.makedirs(args.output_dir, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=args.output_dir, delete=False, suffix=".tmp") as f:
+        json.dump(record, f, indent=2)
+    os.replace(f.name, os.path.join(args.output_dir, RECORD))
+
+
 def main(argv: list[str] | None = None) -> MoTTrainer:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
@@ -88,6 +110,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
             hidden_size=args.hidden_size, expert_hidden_size=args.expert_hidden_size, num_experts=args.num_experts,
             num_experts_per_token=args.num_experts_per_token, injection_mode=args.injection_mode,
+            architecture=args.architecture,
             injection_start=args.injection_start, injection_layers=args.injection_layers,
         )
         torch.manual_seed(args.seed)
@@ -111,6 +134,8 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     )
     if args.time_budget_minutes is not None:
         trainer.add_callback(TimeBudget(args.time_budget_minutes))
+    if trainer.is_world_process_zero():
+        record_command(args, argv)
     resume = not args.no_resume and os.path.isdir(args.output_dir)
     checkpoint = get_last_checkpoint(args.output_dir) if resume else None
     trainer.train(resume_from_checkpoint=checkpoint)
