@@ -179,7 +179,32 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", dir=args.output.parent, delete=False, suffix=".tmp") as f:
         json.dump(report, f, indent=2)
     os.replace(f.name, args.output)
-    print(f"wrote {args.output}")
+    plot(rows, args.output.with_suffix(".png"))
+    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = [r["target_tokens"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in STEPS:
+        axes[0].plot(tokens, [r[name]["median_s"] for r in rows], marker="o", label=LABELS[name])
+        axes[1].plot(tokens, [r[name]["peak_added_mb"] for r in rows], marker="o", label=LABELS[name])
+    axes[0].set_ylabel("seconds (median) to give the target its context")
+    axes[1].set_ylabel("peak added resident memory (MB)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (target tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Translation from an existing source cache vs the target's own prefill")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,13 @@ def render_model_card(
     training_description: str = "Not recorded for this translator.",
     evaluation_description: str = "Not evaluated yet: `hf-mot evaluate --translator PATH` measures it.",
     fidelity: dict | None = None,
+    qa: dict | None = None,
     parameters: int | None = None,
     datasets: list[str] | None = None,
     license: str = "apache-2.0",
 ) -> ModelCard:
-    """Render the card of a translator; `fidelity` (from `hf_mot.evaluation.summarize`, keyed by mode) becomes
-    the card's `model-index`."""
+    """Render the card of a translator. `fidelity` (from `hf_mot.evaluation.summarize`, keyed by mode) and `qa`
+    (task -> summary from `hf-mot evaluate`'s `evaluation.json`) become the card's `model-index`."""
     source, target = config.source_layout, config.target_layout
     eval_results = []
     for mode, summary in (fidelity or {}).items():
@@ -43,6 +44,17 @@ def render_model_card(
                     dataset_split="validation", metric_type=metric, metric_value=round(summary[key], 4),
                 )
             )
+    for task, summary in (qa or {}).items():
+        metric = "accuracy" if task == "boolq" else "f1"
+        for mode in ("full", "window"):
+            if mode in summary:
+                eval_results.append(
+                    EvalResult(
+                        task_type="question-answering", task_name=f"{task} from a translated cache ({mode} mode)",
+                        dataset_type=f"hf_mot/{task}", dataset_name=task, dataset_split="evaluation",
+                        metric_type=metric, metric_value=round(summary[mode]["score"], 4),
+                    )
+                )
     card_data = ModelCardData(
         library_name="hf_mot",
         base_model=[_hub_id(name) for name in (source.name_or_path, target.name_or_path) if name],

@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--run", type=Path, required=True, help="training output dir (final translator inside)")
     parser.add_argument("--fidelity", type=Path, help="JSON written by benchmarks/lm_fidelity.py (omit: no results)")
     parser.add_argument("--fidelity-entry", default="shipped", help="name of this translator in that JSON")
+    parser.add_argument("--evaluation", type=Path, help="evaluation.json written by `hf-mot evaluate` (optional)")
     parser.add_argument("--repo-id", required=True, choices=sorted(SHIPPED_TRANSLATORS))
     parser.add_argument("--source", required=True, help="load name of the source model")
     parser.add_argument("--target", required=True, help="load name of the target model")
@@ -104,10 +105,17 @@ def main() -> None:
             f"target layers {fidelity['window'][0]}-{sum(fidelity['window']) - 1} of this full-mode translator "
             "into the target's own pass.\n\n" + "\n".join(lines)
         )
+    qa = None
+    if args.evaluation is not None:
+        report = json.loads(args.evaluation.read_text())
+        qa = {task: r["summary"] for task, r in report["results"].items()
+              if task in ("boolq", "quac", "synthetic", "long_context")}
+        table = (args.evaluation.parent / "evaluation.md").read_text()
+        evaluation += f"\n\nQA and long-context tasks (`{report['command']}`):\n\n" + table
     card = render_model_card(
         translator.config, args.repo_id, source_load_name=args.source, target_load_name=args.target,
         training_description=training, evaluation_description=evaluation,
-        fidelity=overall,
+        fidelity=overall, qa=qa,
         parameters=parameters,
         datasets=list(TRAINING_DATASETS),
     )

@@ -53,6 +53,14 @@ def test_push_and_load_by_repo_id(hub, tmp_path):
     assert type(auto) is MoTTranslator and _same_weights(translator, auto)
 
 
+def test_save_pretrained_can_push(hub, tmp_path):
+    translator = _translator()
+    translator.save_pretrained(tmp_path / "local", push_to_hub=True, repo_id="hf-mot-test/via-save")
+    files = hub.state.repos[("model", "hf-mot-test/via-save")].resolve("main").files
+    assert files["model.safetensors"] == (tmp_path / "local" / "model.safetensors").read_bytes()
+    assert files["README.md"].decode() == (tmp_path / "local" / "README.md").read_text()
+
+
 def test_card_written_by_save_pretrained(tmp_path):
     translator = _translator()
     translator.save_pretrained(tmp_path / "out")

@@ -1,0 +1,128 @@
+"""Regenerate the README's Results section from the benchmark outputs in `benchmarks/results/`.
+
+    python scripts/update_results.py          # rewrite the section from the existing results
+    python scripts/update_results.py --run    # run the benchmarks first (about 45 minutes on 2 CPU cores)
+
+The section sits between the `<!-- results:start -->` and `<!-- results:end -->` markers of README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SHIPPED = "hf-mot/smollm2-135m-to-gemma3-270m"
+RUNS = [
+    [sys.executable, "benchmarks/lm_fidelity.py", "--translator", f"shipped={SHIPPED}", "--lengths", "64", "128",
+     "256", "512", "--per-length", "50"],
+    [sys.executable, "benchmarks/translation_cost.py", "--lengths", "256", "1024", "2048", "4096", "--trials", "3"],
+    [sys.executable, "-m", "hf_mot.cli", "evaluate", "--translator", SHIPPED, "--limit", "24",
+     "--output-dir", "benchmarks/results/evaluation"],
+]
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def ablations() -> list[str]:
+    """The equal-budget ablation table: it needs the ablation training runs, so `--run` does not redo it."""
+    path = RESULTS / "ablations.json"
+    if not path.exists():
+        return []
+    report = json.loads(path.read_text())
+    return [
+        "### Ablations and baselines (LM fidelity on held-out text)",
+        "",
+        report["description"],
+        "",
+        f"`{report['command']}`; {report['data']}. Window mode injects translated layers "
+        f"{report['window'][0]}-{sum(report['window']) - 1}; the last column is the KL right after the context, "
+        "where last-state shift shows.",
+        "",
+        report["table"],
+        "",
+        "![ablations](benchmarks/results/ablations.png)",
+        "",
+    ]
+
+
+def fidelity() -> list[str]:
+    path = RESULTS / "lm_fidelity.json"
+    if not path.exists():
+        return []
+    report = json.loads(path.read_text())
+    return [
+        "### Language-modelling fidelity on held-out text",
+        "",
+        f"`{report['command']}`; {report['data']}. Window mode injects translated layers "
+        f"{report['window'][0]}-{sum(report['window']) - 1} into the target's own pass. The last column is "
+        "the KL right after the context, where last-state shift shows.",
+        "",
+        report["table"],
+        "",
+        "![LM fidelity](benchmarks/results/lm_fidelity.png)",
+        "",
+    ]
+
+
+def cost() -> list[str]:
+    path = RESULTS / "translation_cost.json"
+    if not path.exists():
+        return []
+    report = json.loads(path.read_text())
+    return [
+        "### Cost of translation against re-prefill",
+        "",
+        f"`{report['command']}`: medians; the source cache already exists; +MB is the peak resident memory the "
+        "step added (measured in a separate run).",
+        "",
+        report["table"],
+        "",
+        "![cost](benchmarks/results/translation_cost.png)",
+    ]
+
+
+def section() -> str:
+    evaluation = (RESULTS / "evaluation" / "evaluation.md").read_text()
+    return "\n".join([
+        "Regenerate with `python scripts/update_results.py --run` (about 45 minutes on this machine).",
+        "",
+        *fidelity(),
+        *ablations(),
+        "### QA, long context and multi-agent reuse",
+        "",
+        evaluation.strip(),
+        "",
+        "![long context](benchmarks/results/evaluation/evaluation.png)",
+        "",
+        *cost(),
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", action="store_true", help="run the benchmarks before rewriting the section")
+    args = parser.parse_args()
+    if args.run:
+        for command in RUNS:
+            print("+", " ".join(command), flush=True)
+            subprocess.run(command, cwd=ROOT, check=True)
+    readme = (ROOT / "README.md").read_text()
+    if START not in readme or END not in readme:
+        raise ValueError(f"README.md lacks the {START} / {END} markers around its Results section.")
+    head, rest = readme.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    text = f"{head}{START}\n{section()}\n{END}{tail}"
+    with tempfile.NamedTemporaryFile("w", dir=ROOT, delete=False, suffix=".tmp") as f:
+        f.write(text)
+    os.replace(f.name, ROOT / "README.md")
+    print("README.md results section rewritten")
+
+
+if __name__ == "__main__":
+    main()
