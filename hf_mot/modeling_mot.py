@@ -193,6 +193,9 @@ def _write_text_atomically(path: str, text: str) -> None:
     with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path) or ".", delete=False, suffix=".tmp",
                                      encoding="utf-8") as tmp:
         tmp.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp.name, 0o666 & ~umask)  # temporary files are private; the card is not
     os.replace(tmp.name, path)
 
 
