@@ -161,9 +161,10 @@ def summarize(rows: list[dict], conditions: list[str]) -> dict:
             "gap_closed": (none - nll) / (none - native) if none != native else float("nan"),
             "top1_agreement": sum(r[name]["top1_agree"] for r in rows) / scored,
             "kl": sum(r[name]["kl"] for r in rows) / scored,
-            "kl_by_position": [
+        }
+        if all("kl_by_position" in r[name] for r in rows):
+            out[name]["kl_by_position"] = [
                 sum(values) / len(values)
                 for values in zip(*(r[name]["kl_by_position"] for r in rows), strict=False)
-            ],
-        }
+            ]
     return out
