@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-from .modeling_mot import DEFAULT_TRANSLATORS
-
 UNTRAINED = "untrained"
 
 
@@ -27,8 +25,10 @@ def _read_context(args: argparse.Namespace) -> str:
 
 
 def _load_pair(args: argparse.Namespace):
-    """The source, target and translator named on the command line (the shipped default if none is named)."""
+    """The source, target and translator named on the command line (the shipped default if none is named), and
+    the translator's name."""
     from . import MoTConfig, MoTTranslator, load_model
+    from .modeling_mot import DEFAULT_TRANSLATORS
 
     name = args.translator or DEFAULT_TRANSLATORS.get((args.source, args.target))
     if name is None:
@@ -48,7 +48,7 @@ def _load_pair(args: argparse.Namespace):
     else:
         translator = MoTTranslator.from_pretrained(name)
     translator.check_pair(source, target, source_tok, target_tok)
-    return source, source_tok, target, target_tok, translator.eval()
+    return source, source_tok, target, target_tok, translator.eval(), name
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -61,7 +61,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     context = _read_context(args)
     torch.manual_seed(args.seed)
-    source, source_tok, target, target_tok, translator = _load_pair(args)
+    source, source_tok, target, target_tok, translator, _ = _load_pair(args)
 
     # The source reads the document once (in a multi-agent system it already has); only translation is timed.
     source_enc = encode_contexts(source_tok, [context])
@@ -103,7 +103,7 @@ def _translate(args: argparse.Namespace) -> None:
     if not str(args.output).endswith(".safetensors"):
         raise ValueError(f"--output must end in .safetensors, got {args.output}.")
     context = _read_context(args)
-    source, source_tok, target, target_tok, translator = _load_pair(args)
+    source, source_tok, target, target_tok, translator, _ = _load_pair(args)
     start = time.perf_counter()
     cache = translate_context(
         context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
@@ -135,14 +135,13 @@ def _evaluate(args: argparse.Namespace) -> None:
     evaluation.json, evaluation.md and evaluation.png to --output-dir."""
     from .evaluation.report import run_evaluation, write_report
 
-    source, source_tok, target, target_tok, translator = _load_pair(args)
+    source, source_tok, target, target_tok, translator, translator_name = _load_pair(args)
     report = run_evaluation(
         translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
         target_tokenizer=target_tok, tasks=tuple(args.tasks), limit=args.limit, lengths=tuple(args.lengths),
         window=None if args.no_window else tuple(args.window), seed=args.seed,
     )
-    models = {"source": args.source, "target": args.target,
-              "translator": args.translator or DEFAULT_TRANSLATORS.get((args.source, args.target))}
+    models = {"source": args.source, "target": args.target, "translator": translator_name}
     paths = write_report(report, args.output_dir, "hf-mot " + " ".join(sys.argv[1:]), models)
     print(Path(paths["markdown"]).read_text(encoding="utf-8"))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

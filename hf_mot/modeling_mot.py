@@ -189,7 +189,7 @@ def _render_default_card(translator: MoTTranslator, repo_id: str) -> str | None:
     return str(model_card.render_model_card(translator.config, repo_id, parameters=parameters))
 
 
-def _write_text_atomically(path: str, text: str) -> None:
+def write_text_atomically(path: str, text: str) -> None:
     with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path) or ".", delete=False, suffix=".tmp",
                                      encoding="utf-8") as tmp:
         tmp.write(text)
@@ -315,7 +315,7 @@ class MoTTranslator(PreTrainedModel):
             if card is None:
                 card = _render_default_card(self, repo_id or os.path.basename(os.path.normpath(save_directory)))
             if card is not None:
-                _write_text_atomically(os.path.join(save_directory, "README.md"), str(card))
+                write_text_atomically(os.path.join(save_directory, "README.md"), str(card))
         if push_to_hub:
             return _upload_folder(save_directory, repo_id or os.path.basename(os.path.normpath(save_directory)),
                                   token=token)

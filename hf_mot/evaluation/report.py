@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..modeling_mot import write_text_atomically
 from .fidelity import evaluate_fidelity, heldout_examples, summarize
 from .qa import evaluate_qa, summarize_qa
 from .reuse import WAYS, multi_agent_reuse, summarize_reuse
@@ -26,13 +27,6 @@ SPLITS = {
     "reuse": "seeded synthetic documents, several questions each",
     "fidelity": "validation split of hf_mot.training.data (5% of documents by hash)",
 }
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(f.name, path)
 
 
 def run_evaluation(
@@ -210,8 +204,9 @@ def write_report(report: dict, output_dir: str | Path, command: str, models: dic
               f"{report['machine']['threads']} CPU threads; `{command}`.\n\nData: "
               + "; ".join(f"{t}: {s}" for t, s in report["splits"].items()) + ".\n\n")
     paths = {"json": output_dir / "evaluation.json", "markdown": output_dir / "evaluation.md"}
-    _write_atomically(paths["json"], json.dumps(report, indent=2, default=float))
-    _write_atomically(paths["markdown"], header + table + "\n")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(str(paths["json"]), json.dumps(report, indent=2, default=float))
+    write_text_atomically(str(paths["markdown"]), header + table + "\n")
     plot = plot_report(report, output_dir / "evaluation.png")
     if plot is not None:
         paths["plot"] = plot
