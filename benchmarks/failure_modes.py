@@ -29,7 +29,7 @@ import torch
 from hf_mot import MoTTranslator, load_model
 from hf_mot.evaluation.fidelity import evaluate_fidelity, heldout_examples, summarize
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
-from hf_mot.pipeline import align_contexts, encode_contexts, fill_translated_cache, prefill_source
+from hf_mot.pipeline import align_contexts, encode_contexts, fill_translated_cache, prefill_source, run_translator
 from hf_mot.training.losses import native_context_kv
 
 
@@ -42,7 +42,7 @@ def layer_errors(translator, source, source_tok, target, target_tok, contexts, s
         s, t = encode_contexts(source_tok, [context]), encode_contexts(target_tok, [context])
         cache = prefill_source(source, s)
         source_kv = read_source_cache(cache, source, s.attention_mask, s.position_ids)
-        out = translator(source_kv.keys, source_kv.values, align_contexts(s, t, same_tokenizer=same))
+        out = run_translator(translator, source_kv, align_contexts(s, t, same_tokenizer=same), target, t.input_ids)
         layers = list(range(start, start + count)) if mode == "window" else None
         _, context_kv = fill_translated_cache(out, target, t, mode, layers)
         batch = {"target_input_ids": t.input_ids, "target_attention_mask": t.attention_mask}

@@ -172,6 +172,7 @@ def _info(args: argparse.Namespace) -> None:
         f"translator: {config.num_experts} experts (top-{config.num_experts_per_token}), hidden {config.hidden_size}, "
         f"expert width {config.expert_hidden_size}, {config.injection_mode} mode, "
         f"target layers {start}-{start + count - 1}"
+        + (", reads the target's token embeddings" if config.target_embedding_size else "")
     )
     card = _read_model_card(location, {})
     results = ModelCard(card).data.eval_results if card else None

@@ -36,6 +36,10 @@ class MoTConfig(PretrainedConfig):
         init (`str`, *optional*, defaults to `"random"`): `"identity"` builds the exact identity translator,
             which only makes sense with the same model on both sides (the oracle of the test suite).
         initializer_range (`float`, *optional*, defaults to 0.02): std of the random weight init.
+        target_embedding_size (`int`, *optional*): the target's input-embedding width. When set, each mixture
+            also reads the target's own embedding of every target token (computed by the target model at
+            translation time, nothing stored). The target's lower layers depend mostly on the token itself,
+            which the cross-tokenizer alignment blurs. `from_models` sets it unless `target_tokens=False`.
         architecture (`str`, *optional*, defaults to `"mixture"`): `"mixture"` is the Mixture of Translators;
             `"per_layer"` is the Cache-to-Cache-style baseline (one MLP per target layer over one source layer's
             keys and values, `expert_hidden_size` wide; no router).
@@ -65,6 +69,7 @@ class MoTConfig(PretrainedConfig):
     init: str = "random"
     architecture: str = "mixture"
     initializer_range: float = 0.02
+    target_embedding_size: int | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -93,6 +98,11 @@ class MoTConfig(PretrainedConfig):
             raise ValueError(
                 f"The injection window [{start}, {start + count}) does not fit the target's {target.num_layers} "
                 "layers: choose `injection_start` and `injection_layers` inside it."
+            )
+        if self.target_embedding_size is not None and self.architecture != "mixture":
+            raise ValueError(
+                "`target_embedding_size` (reading the target's tokens) needs `architecture='mixture'`; the "
+                "per-layer baseline reads source KV only. Build it with `target_tokens=False`."
             )
         if self.init == "identity":
             if self.architecture != "mixture":
@@ -135,6 +145,7 @@ class MoTConfig(PretrainedConfig):
         *,
         source_tokenizer=None,
         target_tokenizer=None,
+        target_tokens: bool = True,
         **options,
     ) -> MoTConfig:
         """Derive a config from the two model configs (and, if given, the tokenizers' fingerprints).
@@ -143,6 +154,8 @@ class MoTConfig(PretrainedConfig):
             source_config / target_config (`PretrainedConfig`): configs of the source and target models.
             source_tokenizer / target_tokenizer (*optional*): recorded as fingerprints so that the translator
                 refuses a tokenizer it was not built for.
+            target_tokens (`bool`, defaults to `True`): let the mixtures read the target's embedding of each
+                target token (sets `target_embedding_size`). Ignored by the per-layer baseline.
             options: any other [`MoTConfig`] field. With `init="identity"`, `hidden_size` defaults to the
                 value the identity needs.
         """
@@ -156,4 +169,6 @@ class MoTConfig(PretrainedConfig):
         )
         if options.get("init") == "identity":
             options.setdefault("hidden_size", source.num_layers * source.feature_size)
+        if target_tokens and options.get("architecture", "mixture") == "mixture":
+            options.setdefault("target_embedding_size", target_config.get_text_config(decoder=True).hidden_size)
         return cls(source=source.to_dict(), target=target.to_dict(), **options)

@@ -77,7 +77,8 @@ def render_model_card(
         target_description=target.describe(),
         translator_description=(
             f"{size}{config.num_experts} experts per mixture (top-{config.num_experts_per_token}), hidden size "
-            f"{config.hidden_size}, expert width {config.expert_hidden_size}, reading all source layers, "
+            f"{config.hidden_size}, expert width {config.expert_hidden_size}, reading all source layers"
+            f"{' and the target token embeddings' if config.target_embedding_size else ''}, "
             f"`{config.injection_mode}` mode, target layers {start}-{start + count - 1}"
         ),
         source_load_name=source_load_name or source.name_or_path or "SOURCE_MODEL",

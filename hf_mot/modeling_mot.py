@@ -36,6 +36,32 @@ def shipped_translator_dir(repo_id: str) -> str | None:
     return str(folder) if (folder / "model.safetensors").is_file() else None
 
 
+class TargetTokenReader(nn.Module):
+    """The target's embedding of each target token, layer-normalised and projected to the mixture's width.
+
+    It starts at zero, so adding it to a trained translator (`hf-mot train --init-from`) starts from exactly
+    that translator. Its parameters sit on the module itself (no child modules): transformers only
+    initialises a custom-code module whose own parameters are missing from the checkpoint.
+    """
+
+    def __init__(self, embedding_size: int, hidden_size: int):
+        super().__init__()
+        self.norm_weight = nn.Parameter(torch.empty(embedding_size))
+        self.norm_bias = nn.Parameter(torch.empty(embedding_size))
+        self.proj_weight = nn.Parameter(torch.empty(hidden_size, embedding_size))
+        self.proj_bias = nn.Parameter(torch.empty(hidden_size))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.ones_(self.norm_weight)
+        for param in (self.norm_bias, self.proj_weight, self.proj_bias):
+            init.zeros_(param)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(embeddings, self.norm_weight.shape, self.norm_weight, self.norm_bias)
+        return F.linear(normed, self.proj_weight, self.proj_bias)
+
+
 class KVMixture(nn.Module):
     """One mixture of translator experts: maps the source's keys (or values) to the target's.
 
@@ -43,6 +69,8 @@ class KVMixture(nn.Module):
 
     1. the token's features from every source layer, stacked, are projected to `hidden_size` (one matrix:
        what a target layer needs may sit in any source layer), then moved onto target tokens by the alignment;
+       If the config has `target_embedding_size`, the target's own embedding of each target token (normalised,
+       projected to `hidden_size`) is added: it tells the mixture which target token it is producing;
     2. a router picks `num_experts_per_token` expert MLPs from the normalised representation, and their gated
        outputs are added to it (a residual mixture of translators);
     3. one projection produces the features of every produced target layer at once.
@@ -67,6 +95,9 @@ class KVMixture(nn.Module):
         self.expert_out = nn.Parameter(torch.empty(config.num_experts, h, d))
         self.expert_out_bias = nn.Parameter(torch.empty(config.num_experts, d))
         self.out_proj = nn.Linear(d, count * target.feature_size)
+        self.target_tokens = None
+        if config.target_embedding_size is not None:
+            self.target_tokens = TargetTokenReader(config.target_embedding_size, d)
 
     @torch.no_grad()
     def reset_parameters(self, identity: bool, std: float) -> None:
@@ -91,8 +122,11 @@ class KVMixture(nn.Module):
             init.normal_(self.out_proj.weight, std=0.1 * self.out_proj.weight.shape[1] ** -0.5)
             init.normal_(self.expert_out, std=std)
 
-    def forward(self, source: torch.Tensor, alignment: TokenAlignment) -> tuple[torch.Tensor, torch.Tensor]:
-        """Translate `source` `(source_layers, batch, source_tokens, features)`.
+    def forward(
+        self, source: torch.Tensor, alignment: TokenAlignment, target_embeddings: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Translate `source` `(source_layers, batch, source_tokens, features)`; `target_embeddings`
+        `(batch, target_tokens, target_embedding_size)` is needed when the mixture reads target tokens.
 
         Returns the target features `(produced_layers, batch, target_tokens, target_features)` and the router's
         load-balancing loss.
@@ -101,6 +135,8 @@ class KVMixture(nn.Module):
         stacked = source.permute(1, 2, 0, 3).reshape(batch, tokens, layers * features)
         # Project before aligning (both are linear): the alignment then moves `hidden_size` features, not all.
         hidden = alignment.apply(self.in_proj(stacked)[None])[0]
+        if self.target_tokens is not None:
+            hidden = hidden + self.target_tokens(target_embeddings.to(hidden.dtype))
 
         flat = hidden.reshape(-1, hidden.shape[-1])
         normed = self.norm(flat)
@@ -133,8 +169,8 @@ class PerLayerProjector(nn.Module):
     """Baseline in the style of Cache-to-Cache: for each target layer, one MLP over the concatenated keys and
     values of one source layer (picked by relative depth). No router, no mixture, no cross-layer reading.
 
-    `expert_hidden_size` is the MLP width; `MoTConfig.per_layer_width_for_budget` gives the width that matches
-    a mixture's parameter count.
+    `expert_hidden_size` is the MLP width; pick it so the parameter count matches the mixture it is compared
+    with (`benchmarks/results/ablations_pipeline.sh` does).
     """
 
     def __init__(self, config: MoTConfig, source: KVLayout, target: KVLayout):
@@ -346,6 +382,8 @@ class MoTTranslator(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):
             module.reset_parameters(identity=self.config.init == "identity", std=self.config.initializer_range)
+        elif isinstance(module, TargetTokenReader):
+            module.reset_parameters()
         elif isinstance(module, PerLayerProjector):
             module.reset_parameters()
 
@@ -362,6 +400,7 @@ class MoTTranslator(PreTrainedModel):
         source_keys: list[torch.Tensor],
         source_values: list[torch.Tensor],
         alignment: TokenAlignment,
+        target_embeddings: torch.Tensor | None = None,
     ) -> MoTOutput:
         """Translate position-free source keys and values.
 
@@ -370,8 +409,27 @@ class MoTTranslator(PreTrainedModel):
                 tensor per source layer, RoPE undone (see `hf_mot.kv.read_source_cache`).
             source_values (`list[torch.FloatTensor]`): the source values, same shapes.
             alignment ([`TokenAlignment`]): target tokens onto source tokens.
+            target_embeddings (`torch.FloatTensor` of shape `(batch, target_tokens, target_embedding_size)`,
+                *optional*): the target model's input embeddings of the target tokens,
+                `target_model.get_input_embeddings()(target_input_ids)`. Required when the config has
+                `target_embedding_size`; `hf_mot.pipeline.run_translator` passes them.
         """
         target = self.target_layout
+        expected = self.config.target_embedding_size
+        if expected is not None and target_embeddings is None:
+            raise ValueError(
+                "This translator reads the target's token embeddings: pass `target_embeddings="
+                "target_model.get_input_embeddings()(target_input_ids)` (or use `translate_context`)."
+            )
+        if expected is not None and (
+            target_embeddings.dim() != 3
+            or target_embeddings.shape[-1] != expected
+            or target_embeddings.shape[1] != alignment.num_target_tokens
+        ):
+            raise ValueError(
+                f"`target_embeddings` must be (batch, {alignment.num_target_tokens} target tokens, {expected}), got "
+                f"{tuple(target_embeddings.shape)}: embed the same target tokens the alignment was built for."
+            )
 
         def features(tensors):
             stacked = torch.stack(tensors).to(self.dtype)  # (layers, batch, heads, tokens, dim)
@@ -386,8 +444,8 @@ class MoTTranslator(PreTrainedModel):
             keys, values = self.projector(features(source_keys), features(source_values), alignment)
             zero = keys.new_zeros(())
             return MoTOutput(keys=heads(keys), values=heads(values), layers=self.produced_layers, aux_loss=zero)
-        keys, key_balance = self.key_mixture(features(source_keys), alignment)
-        values, value_balance = self.value_mixture(features(source_values), alignment)
+        keys, key_balance = self.key_mixture(features(source_keys), alignment, target_embeddings)
+        values, value_balance = self.value_mixture(features(source_values), alignment, target_embeddings)
         return MoTOutput(keys=heads(keys), values=heads(values), layers=self.produced_layers,
                          aux_loss=(key_balance + value_balance) / 2)
 

@@ -109,6 +109,25 @@ def _check_devices_and_dtypes(translator: MoTTranslator, source: SourceKV, targe
         raise TypeError(f"The source cache holds {key.dtype} tensors; a floating point cache is needed.")
 
 
+def run_translator(
+    translator: MoTTranslator,
+    source: SourceKV,
+    alignment: TokenAlignment,
+    target_model: PreTrainedModel,
+    target_input_ids: torch.Tensor,
+) -> MoTOutput:
+    """Call `translator` on position-free source KV, with the target's token embeddings if it reads them.
+
+    `translator` may be wrapped (DDP in training): its config is read from `.module` then.
+    """
+    config = getattr(translator, "module", translator).config
+    embeddings = None
+    if config.target_embedding_size is not None:
+        with torch.no_grad():  # the target is frozen; only the translator learns
+            embeddings = target_model.get_input_embeddings()(target_input_ids)
+    return translator(source.keys, source.values, alignment, target_embeddings=embeddings)
+
+
 def build_translated_cache(
     translator: MoTTranslator,
     source: SourceKV,
@@ -145,7 +164,7 @@ def build_translated_cache(
                 f"produces ({layers[0]}-{layers[-1]})."
             )
         layers = wanted
-    translated = translator(source.keys, source.values, alignment)
+    translated = run_translator(translator, source, alignment, target_model, target.input_ids)
     cache, _ = fill_translated_cache(translated, target_model, target, mode, layers, source_id=source_id)
     return cache
 

@@ -105,3 +105,52 @@ def test_save_and_load_round_trip(tmp_path):
     ]
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def _translate(translator, source, target, tok):
+    return translate_context(CONTEXTS[:2], translator=translator, source_model=source, source_tokenizer=tok,
+                             target_model=target, target_tokenizer=tok)
+
+
+def test_target_token_reader_starts_as_the_translator_it_extends(tmp_path):
+    """`hf-mot train --init-from` adds the reader to a translator without one: it must start as that translator
+    (zero projection), load no uninitialised weights, and then be a live path."""
+    source, target, tok = tiny_model("llama"), tiny_model("gemma3"), char_tokenizer()
+    config = MoTConfig.from_models(source.config, target.config, hidden_size=16, target_tokens=False)
+    assert config.target_embedding_size is None
+    torch.manual_seed(0)
+    without = MoTTranslator(config).eval()
+    without.save_pretrained(tmp_path)
+    with_reader = MoTTranslator.from_pretrained(tmp_path, target_embedding_size=target.config.hidden_size).eval()
+    reader = with_reader.key_mixture.target_tokens
+    assert torch.equal(reader.proj_weight, torch.zeros_like(reader.proj_weight))
+    assert torch.equal(reader.norm_weight, torch.ones_like(reader.norm_weight))
+    before, after = _translate(without, source, target, tok), _translate(with_reader, source, target, tok)
+    for a, b in zip(before.layers, after.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    with torch.no_grad():
+        reader.proj_weight.normal_()
+    changed = _translate(with_reader, source, target, tok)
+    assert not torch.allclose(changed.layers[0].keys, before.layers[0].keys)
+    assert torch.equal(changed.layers[0].values, before.layers[0].values)  # only the key mixture was touched
+
+
+def test_reading_target_tokens_needs_their_embeddings():
+    source, target, tok = tiny_model("llama"), tiny_model("gemma3"), char_tokenizer()
+    config = MoTConfig.from_models(source.config, target.config, hidden_size=16)
+    assert config.target_embedding_size == target.config.hidden_size  # on by default
+    translator = MoTTranslator(config)
+    from hf_mot.kv import read_source_cache
+    from hf_mot.pipeline import align_contexts, encode_contexts, prefill_source
+
+    encoded = encode_contexts(tok, [CONTEXTS[0]])
+    source_kv = read_source_cache(prefill_source(source, encoded), source, encoded.attention_mask)
+    alignment = align_contexts(encoded, encoded)
+    with pytest.raises(ValueError, match="target_embeddings="):
+        translator(source_kv.keys, source_kv.values, alignment)
+    wrong = torch.zeros(1, alignment.num_target_tokens - 1, target.config.hidden_size)
+    with pytest.raises(ValueError, match="must be"):
+        translator(source_kv.keys, source_kv.values, alignment, target_embeddings=wrong)
+    with pytest.raises(ValueError, match="per-layer baseline"):
+        MoTConfig.from_models(source.config, target.config, architecture="per_layer",
+                              target_embedding_size=target.config.hidden_size)

@@ -47,6 +47,8 @@ def test_every_term_is_finite_and_reaches_only_the_translator(mode):
         parts.total.backward()
         grads = [p.grad for p in translator.parameters() if p.grad is not None]
         assert grads and any(g.abs().sum() > 0 for g in grads), f"{term} has no gradient path to the translator"
+        reader_grad = translator.key_mixture.target_tokens.proj_weight.grad
+        assert reader_grad is not None and reader_grad.abs().sum() > 0, f"{term} does not reach the token reader"
         assert all(p.grad is None for p in list(source.parameters()) + list(target.parameters())), term
 
 

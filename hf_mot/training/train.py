@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     translator.add_argument("--num-experts-per-token", type=int, default=2)
     translator.add_argument("--architecture", choices=["mixture", "per_layer"], default="mixture",
                             help="mixture of translators, or the per-layer (Cache-to-Cache-style) baseline")
+    translator.add_argument(
+        "--target-tokens", action=argparse.BooleanOptionalAction, default=True,
+        help="let the mixtures read the target's embedding of each target token (with --init-from: added, "
+        "starting at zero, to a translator that lacks it)",
+    )
     translator.add_argument("--injection-mode", choices=["full", "window"], default="full")
     translator.add_argument("--injection-start", type=int, default=0)
     translator.add_argument("--injection-layers", type=int, default=None)
@@ -105,12 +110,19 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     target, target_tok = load_model(args.target)
     if args.init_from:
         translator = MoTTranslator.from_pretrained(args.init_from)
+        if args.target_tokens and translator.config.target_embedding_size is None and (
+            translator.config.architecture == "mixture"
+        ):
+            # The token projection of the new translator starts at zero: it starts as the loaded one.
+            translator = MoTTranslator.from_pretrained(
+                args.init_from, target_embedding_size=target.config.get_text_config(decoder=True).hidden_size
+            )
     else:
         config = MoTConfig.from_models(
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
             hidden_size=args.hidden_size, expert_hidden_size=args.expert_hidden_size, num_experts=args.num_experts,
             num_experts_per_token=args.num_experts_per_token, injection_mode=args.injection_mode,
-            architecture=args.architecture,
+            architecture=args.architecture, target_tokens=args.target_tokens,
             injection_start=args.injection_start, injection_layers=args.injection_layers,
         )
         torch.manual_seed(args.seed)
