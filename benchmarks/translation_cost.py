@@ -82,7 +82,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default="smollm2-135m", help="source model (embedded name or path)")
     parser.add_argument("--target", default="gemma3-270m", help="target model (embedded name or path)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048], help="context lengths in target tokens")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048],
+                        help="context lengths in target tokens")
     parser.add_argument("--trials", type=int, default=3, help="timed repetitions per measurement (median reported)")
     parser.add_argument("--window-start", type=int, default=4, help="first injected target layer in window mode")
     parser.add_argument("--window-layers", type=int, default=4, help="injected target layers in window mode")
@@ -116,7 +117,7 @@ def main() -> None:
         with torch.no_grad():
             source_cache = prefill_source(source, source_enc)
 
-        def translate(model):
+        def translate(model, source_enc=source_enc, target_enc=target_enc, source_cache=source_cache):
             def run():
                 with torch.no_grad():
                     alignment = align_contexts(source_enc, target_enc, same_tokenizer=same)
@@ -125,12 +126,12 @@ def main() -> None:
 
             return run
 
-        def native_prefill():
+        def native_prefill(target_enc=target_enc):
             with torch.no_grad():
                 cache = DynamicCache(config=target.config)
                 target.get_decoder()(input_ids=target_enc.input_ids, use_cache=True, **{cache_kwarg(target): cache})
 
-        def source_prefill():
+        def source_prefill(source_enc=source_enc):
             with torch.no_grad():
                 prefill_source(source, source_enc)
 
@@ -148,7 +149,7 @@ def main() -> None:
     if memory:
         args.memory_only.write_text(json.dumps(rows))
         return
-    for row, peaks in zip(rows, memory_run(sys.argv[1:])):
+    for row, peaks in zip(rows, memory_run(sys.argv[1:]), strict=True):
         for name in STEPS:
             row[name].update(peaks[name])
         native = row["native_target_prefill"]["median_s"]

@@ -7,12 +7,12 @@ During 5.x the cache keyword of model forwards and `generate()` moved from `past
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
+from functools import cache
 
 from transformers import PreTrainedModel
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cache_kwarg_for(forward_owner: type) -> str:
     parameters = inspect.signature(forward_owner.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"

@@ -51,7 +51,7 @@ class TokenAlignment:
         if cached is None:
             cached = []
             rows = torch.arange(self.num_target_tokens).unsqueeze(-1).expand_as(self.index[0])
-            for index, weight in zip(self.index, self.weight):
+            for index, weight in zip(self.index, self.weight, strict=True):
                 used = weight != 0
                 matrix = torch.sparse_coo_tensor(
                     torch.stack([rows[used], index[used]]), weight[used],
@@ -99,7 +99,7 @@ def align_spans(
     first_special = next((i for i, special in enumerate(source_special) if special), None)
 
     rows = []
-    for (a, b), special in zip(target_spans, target_special):
+    for (a, b), special in zip(target_spans, target_special, strict=True):
         if special or not text_tokens:
             # A special token (BOS) has no text: it stands for "start of sequence" on either side.
             rows.append([(first_special if first_special is not None else 0, 1.0)])

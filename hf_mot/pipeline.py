@@ -71,10 +71,8 @@ def align_contexts(
     identical = same_tokenizer and torch.equal(source.input_ids, target.input_ids)
     rows = None
     if not identical:
-        rows = [
-            align_spans(s_spans, t_spans, s_special, t_special)
-            for s_spans, t_spans, s_special, t_special in zip(source.spans, target.spans, source.special, target.special)
-        ]
+        pairs = zip(source.spans, target.spans, source.special, target.special, strict=True)
+        rows = [align_spans(*pair) for pair in pairs]
     return build_alignment(rows, source.lengths, target.lengths, is_identity=identical)
 
 
@@ -196,7 +194,7 @@ def fill_translated_cache(
         injection_mode=mode,
     )
     context_kv = {}
-    for layer_idx, keys, values in zip(translated.layers, translated.keys, translated.values):
+    for layer_idx, keys, values in zip(translated.layers, translated.keys, translated.values, strict=True):
         if layer_idx not in layers:
             continue
         keys = finish_target_keys(target_model, layer_idx, keys.to(dtype), positions)

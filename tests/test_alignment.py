@@ -14,7 +14,8 @@ from hf_mot.pipeline import align_contexts, encode_contexts
 
 @pytest.fixture(scope="module")
 def real_tokenizers():
-    return {name: AutoTokenizer.from_pretrained(convert_embedded_model(name)) for name in ("smollm2-135m", "gemma3-270m")}
+    names = ("smollm2-135m", "gemma3-270m")
+    return {name: AutoTokenizer.from_pretrained(convert_embedded_model(name)) for name in names}
 
 
 def _check_alignment(alignment, source, target):
@@ -28,7 +29,7 @@ def _check_alignment(alignment, source, target):
     for b in range(dense.shape[0]):
         pad_t = target.input_ids.shape[1] - len(target.spans[b])
         pad_s = source.input_ids.shape[1] - len(source.spans[b])
-        for t, ((a, e), special) in enumerate(zip(target.spans[b], target.special[b])):
+        for t, ((a, e), special) in enumerate(zip(target.spans[b], target.special[b], strict=True)):
             used = dense[b, pad_t + t].nonzero().flatten().tolist()
             if special:
                 continue

@@ -38,7 +38,7 @@ def test_tokenizer_the_translator_was_not_built_for(pair):
 def test_cache_from_another_model(pair):
     other = tiny_model("qwen2")  # 3 layers instead of 2
     encoded = encode_contexts(char_tokenizer(), [CONTEXTS[0]])
-    with pytest.raises(ValueError, match=r"`source_cache` has 3 layers .* pass the cache that `source_model` produced"):
+    with pytest.raises(ValueError, match=r"`source_cache` has 3 layers .* pass the cache that `source_model`"):
         _translate(pair, source_cache=prefill_source(other, encoded))
 
 
@@ -61,7 +61,7 @@ def test_cache_in_another_dtype(pair):
     cache = prefill_source(model, encode_contexts(tokenizer, [CONTEXTS[0]]))
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.bfloat16(), layer.values.bfloat16()
-    with pytest.raises(TypeError, match=r"`source_cache` holds torch.bfloat16 .* `source_model` runs in torch.float32"):
+    with pytest.raises(TypeError, match=r"`source_cache` holds torch.bfloat16 .* `source_model` runs in torch.float"):
         _translate(pair, source_cache=cache)
 
 
@@ -84,7 +84,7 @@ def test_context_of_wrong_type(pair):
 
 
 def test_context_longer_than_the_target_holds(pair):
-    with pytest.raises(ValueError, match=r"`context` is \d+ target tokens long but the target model holds at most 512"):
+    with pytest.raises(ValueError, match=r"`context` is \d+ target tokens long but the target model holds at most"):
         _translate(pair, context="word " * 200)
 
 
@@ -125,7 +125,7 @@ def test_full_mode_needs_every_layer(pair):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(num_experts=2, num_experts_per_token=3), r"`num_experts_per_token` \(3\) must be <= `num_experts` \(2\)"),
+        (dict(num_experts=2, num_experts_per_token=3), r"`num_experts_per_token` \(3\) must be <= `num_experts`"),
         (dict(injection_mode="partial"), r"`injection_mode` must be one of"),
         (dict(injection_mode="window", injection_start=2, injection_layers=4), r"injection window \[2, 6\)"),
         (dict(init="identity", hidden_size=8), r"`init='identity'` needs `hidden_size` equal to"),

@@ -145,5 +145,5 @@ def test_a_given_source_cache_is_reused(setup):
     source_cache = prefill_source(model, encode_contexts(tokenizer, contexts))
     reused = translate_context(contexts, source_cache=source_cache, **kwargs)
     fresh = translate_context(contexts, **kwargs)
-    for a, b in zip(reused.layers, fresh.layers):
+    for a, b in zip(reused.layers, fresh.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

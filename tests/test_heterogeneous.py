@@ -17,7 +17,7 @@ def _check_generates(source, source_tok, target, target_tok, translator, context
     layout = translator.target_layout
     batch = len(contexts)
     assert len(cache.layers) == layout.num_layers
-    for layer_idx, layer in enumerate(cache.layers):
+    for layer in cache.layers:
         assert layer.keys.shape[:2] == (batch, layout.num_kv_heads) and layer.keys.shape[-1] == layout.head_dim
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
     prompt = target_tok([" Answer:"] * batch, return_tensors="pt", add_special_tokens=False).input_ids
@@ -81,7 +81,8 @@ def test_window_mode_only_replaces_the_window():
 
     native = DynamicCache(config=target.config)
     with torch.no_grad():
-        target(input_ids=encode_contexts(tok, [CONTEXTS[0]]).input_ids, use_cache=True, **{cache_kwarg(target): native})
+        ids = encode_contexts(tok, [CONTEXTS[0]]).input_ids
+        target(input_ids=ids, use_cache=True, **{cache_kwarg(target): native})
     assert torch.equal(cache.layers[0].keys, native.layers[0].keys)
     assert not torch.allclose(cache.layers[1].keys, native.layers[1].keys)
     assert not torch.allclose(cache.layers[2].keys, native.layers[2].keys)  # shifted by the injected layer
@@ -94,7 +95,7 @@ def test_save_and_load_round_trip(tmp_path):
     assert (tmp_path / "model.safetensors").is_file()
     loaded = MoTTranslator.from_pretrained(tmp_path)
     assert loaded.config.source == translator.config.source
-    for (name, a), (_, b) in zip(translator.state_dict().items(), loaded.state_dict().items()):
+    for (name, a), (_, b) in zip(translator.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     # And it computes the same thing (no state outside the weights is lost or left uninitialised).
     tok = char_tokenizer()
@@ -103,7 +104,7 @@ def test_save_and_load_round_trip(tmp_path):
                           target_tokenizer=tok)
         for t in (translator, loaded)
     ]
-    for a, b in zip(caches[0].layers, caches[1].layers):
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
@@ -126,7 +127,7 @@ def test_target_token_reader_starts_as_the_translator_it_extends(tmp_path):
     assert torch.equal(reader.proj_weight, torch.zeros_like(reader.proj_weight))
     assert torch.equal(reader.norm_weight, torch.ones_like(reader.norm_weight))
     before, after = _translate(without, source, target, tok), _translate(with_reader, source, target, tok)
-    for a, b in zip(before.layers, after.layers):
+    for a, b in zip(before.layers, after.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     with torch.no_grad():
         reader.proj_weight.normal_()

@@ -23,8 +23,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .._compat import cache_kwarg
 from ..data import training_documents
 from ..modeling_mot import MoTTranslator
-from ..pipeline import encode_contexts, prefill_source, translate_context
 from ..training.data import document_split
+from .qa import translated_conditions
 
 
 @dataclass
@@ -103,7 +103,7 @@ def evaluate_fidelity(
 
     Args:
         conditions: name -> keyword arguments of `translate_context` (e.g. `{"injection_mode": "full"}`); a
-            `"translator"` entry overrides `translator`, so several translators share one pass.
+            `"translator"` entry overrides `translator` (see `qa.translated_conditions`).
 
     Returns:
         One dict per example: `context_tokens`, `corpus`, and per condition the summed NLL, the number of
@@ -123,15 +123,11 @@ def evaluate_fidelity(
         row = {"context_tokens": example.context_tokens, "corpus": example.corpus, "scored": len(targets)}
         row["native"] = {"nll": F.cross_entropy(native, targets, reduction="sum").item()}
         row["no_context"] = {"nll": F.cross_entropy(alone, targets, reduction="sum").item()}
-        # The source reads the context once; every condition translates that same cache.
-        source_cache = prefill_source(source_model, encode_contexts(source_tokenizer, [example.context]))
-        for name, options in conditions.items():
-            options = dict(options)
-            cache = translate_context(
-                example.context, translator=options.pop("translator", translator), source_model=source_model,
-                source_tokenizer=source_tokenizer, target_model=target_model, target_tokenizer=target_tokenizer,
-                source_cache=source_cache, **options,
-            )
+        translated = translated_conditions(
+            example.context, conditions, translator=translator, source_model=source_model,
+            source_tokenizer=source_tokenizer, target_model=target_model, target_tokenizer=target_tokenizer,
+        )
+        for name, cache, _ in translated:
             logits = _continuation_logits(
                 target_model, continuation, cache.get_seq_length(), cache=cache, prefix_mask=cache.attention_mask
             )

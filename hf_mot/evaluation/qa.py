@@ -81,6 +81,35 @@ def _choice_log_prob(model, tokenizer, prompt, mask, cache, choice: str) -> floa
     return logits.log_softmax(-1).gather(1, ids[0][:, None]).sum().item()
 
 
+def translated_conditions(
+    context: str,
+    conditions: dict[str, dict],
+    *,
+    translator: MoTTranslator,
+    source_model: PreTrainedModel,
+    source_tokenizer: PreTrainedTokenizerBase,
+    target_model: PreTrainedModel,
+    target_tokenizer: PreTrainedTokenizerBase,
+):
+    """Yield `(name, cache, seconds)` for each translated condition of one context.
+
+    The source reads the context once (in the settings translation is for, it already has its cache); each
+    condition translates that same cache, and `seconds` is the translation alone. `conditions` maps a name to
+    keyword arguments of `translate_context`; a `"translator"` entry overrides `translator`, so several
+    translators share one pass.
+    """
+    source_cache = prefill_source(source_model, encode_contexts(source_tokenizer, [context]))
+    for name, options in conditions.items():
+        options = dict(options)
+        start = time.perf_counter()
+        cache = translate_context(
+            context, translator=options.pop("translator", translator), source_model=source_model,
+            source_tokenizer=source_tokenizer, target_model=target_model, target_tokenizer=target_tokenizer,
+            source_cache=source_cache, **options,
+        )
+        yield name, cache, time.perf_counter() - start
+
+
 @torch.no_grad()
 def evaluate_qa(
     examples: list[QAExample],
@@ -97,7 +126,8 @@ def evaluate_qa(
     """Answer every example with no context, natively, and under each translated condition.
 
     Args:
-        conditions: name -> keyword arguments of `translate_context` (e.g. `{"injection_mode": "full"}`).
+        conditions: name -> keyword arguments of `translate_context` (e.g. `{"injection_mode": "full"}`), as
+            for `translated_conditions`.
 
     Returns:
         One dict per example (`task`, `meta`, `context_tokens`) with, per condition, its answer and score and
@@ -114,15 +144,11 @@ def evaluate_qa(
         row["context_tokens"] = mask.shape[1]
         row["native"] = {**answer(example, target_model, target_tokenizer, cache, mask, max_new_tokens),
                          "context_seconds": seconds}
-        source_cache = prefill_source(source_model, encode_contexts(source_tokenizer, [example.context]))
-        for name, options in conditions.items():
-            start = time.perf_counter()
-            cache = translate_context(
-                example.context, translator=translator, source_model=source_model,
-                source_tokenizer=source_tokenizer, target_model=target_model, target_tokenizer=target_tokenizer,
-                source_cache=source_cache, **options,
-            )
-            seconds = time.perf_counter() - start
+        translated = translated_conditions(
+            example.context, conditions, translator=translator, source_model=source_model,
+            source_tokenizer=source_tokenizer, target_model=target_model, target_tokenizer=target_tokenizer,
+        )
+        for name, cache, seconds in translated:
             row[name] = {**answer(example, target_model, target_tokenizer, cache, cache.attention_mask,
                                   max_new_tokens), "context_seconds": seconds}
         rows.append(row)

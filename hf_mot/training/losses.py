@@ -75,7 +75,7 @@ def _relative_kv_error(translated: list, native: list, mask: torch.Tensor) -> to
     """Mean over layers of ||translated - native||^2 / ||native||^2 on real context tokens (keys and values)."""
     real = mask[:, None, :, None].to(native[0][0].dtype)
     errors = []
-    for (tk, tv), (nk, nv) in zip(translated, native):
+    for (tk, tv), (nk, nv) in zip(translated, native, strict=True):
         for t, n in ((tk, nk), (tv, nv)):
             errors.append(((t - n) ** 2 * real).sum() / ((n**2) * real).sum().clamp_min(1e-6))
     return torch.stack(errors).mean()
@@ -128,7 +128,8 @@ def context_correction_loss(
     continuation_mask = batch["continuation_mask"][:, 1:].bool()
     nll = zero
     if weights.nll:
-        nll = F.cross_entropy(logits[:, :-1][continuation_mask].float(), batch["continuation_ids"][:, 1:][continuation_mask])
+        labels = batch["continuation_ids"][:, 1:][continuation_mask]
+        nll = F.cross_entropy(logits[:, :-1][continuation_mask].float(), labels)
     kl = zero
     if weights.kl:
         every = batch["continuation_mask"].bool()

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--save-steps", type=int, default=100)
     run.add_argument("--logging-steps", type=int, default=10)
     run.add_argument("--time-budget-minutes", type=float, default=None, help="stop and save after this long")
-    run.add_argument("--bf16", action="store_true", help="bf16 autocast: for GPUs and CPUs with fast bf16 matmuls (check first: on AVX2-only CPUs it is much slower)")
+    run.add_argument("--bf16", action="store_true", help="bf16 autocast: for GPUs and CPUs with fast bf16 matmuls "
+                     "(check first: on AVX2-only CPUs it is much slower)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     return parser
