@@ -40,6 +40,10 @@ class MoTConfig(PretrainedConfig):
             also reads the target's own embedding of every target token (computed by the target model at
             translation time, nothing stored). The target's lower layers depend mostly on the token itself,
             which the cross-tokenizer alignment blurs. `from_models` sets it unless `target_tokens=False`.
+        depth_matched_layers (`int`, *optional*, defaults to 0): when > 0, each produced target layer also gets a
+            linear map of its own from this many source layers at the same relative depth, added to the
+            mixture's output. The shared `hidden_size` representation caps the rank of all produced layers
+            together; this path lifts the cap (it matters for values, which are high-rank across layers).
         architecture (`str`, *optional*, defaults to `"mixture"`): `"mixture"` is the Mixture of Translators;
             `"per_layer"` is the Cache-to-Cache-style baseline (one MLP per target layer over one source layer's
             keys and values, `expert_hidden_size` wide; no router).
@@ -70,6 +74,7 @@ class MoTConfig(PretrainedConfig):
     architecture: str = "mixture"
     initializer_range: float = 0.02
     target_embedding_size: int | None = None
+    depth_matched_layers: int = 0
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -80,6 +85,8 @@ class MoTConfig(PretrainedConfig):
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
+        if self.depth_matched_layers < 0:
+            raise ValueError(f"`depth_matched_layers` must be >= 0, got {self.depth_matched_layers}.")
         for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
@@ -98,6 +105,16 @@ class MoTConfig(PretrainedConfig):
             raise ValueError(
                 f"The injection window [{start}, {start + count}) does not fit the target's {target.num_layers} "
                 "layers: choose `injection_start` and `injection_layers` inside it."
+            )
+        if self.depth_matched_layers > self.source["num_layers"]:
+            raise ValueError(
+                f"`depth_matched_layers` ({self.depth_matched_layers}) is more than the source's "
+                f"{self.source['num_layers']} layers."
+            )
+        if self.depth_matched_layers and self.architecture != "mixture":
+            raise ValueError(
+                "`depth_matched_layers` needs `architecture='mixture'`: the per-layer baseline is depth-matched "
+                "already."
             )
         if self.target_embedding_size is not None and self.architecture != "mixture":
             raise ValueError(

@@ -62,6 +62,47 @@ class TargetTokenReader(nn.Module):
         return F.linear(normed, self.proj_weight, self.proj_bias)
 
 
+def depth_matched_source_layers(source_layers: int, target_layer: int, target_layers: int, count: int) -> list[int]:
+    """The `count` consecutive source layers around the relative depth of `target_layer`."""
+    centre = round(target_layer * (source_layers - 1) / max(target_layers - 1, 1))
+    first = min(max(centre - count // 2, 0), source_layers - count)
+    return list(range(first, first + count))
+
+
+class DepthMatchedPath(nn.Module):
+    """Per produced target layer, a linear map from the source layers at the same relative depth (aligned to
+    target tokens), added to the mixture's output.
+
+    The mixture's shared `hidden_size` representation limits the rank of everything it produces: the values of
+    Gemma-3-270M's 18 layers need far more than 256 dimensions (a rank-256 projection of them keeps a 0.40
+    relative error per layer; their keys only 0.09). This path gives each target layer rank of its own. It
+    starts at zero, so adding it to a trained translator starts from exactly that translator; its parameters
+    sit on the module itself so that loading such a translator initialises them as missing.
+    """
+
+    def __init__(self, count: int, source: KVLayout, target: KVLayout, start: int, produced: int):
+        super().__init__()
+        self.source_layers = [
+            depth_matched_source_layers(source.num_layers, layer, target.num_layers, count)
+            for layer in range(start, start + produced)
+        ]
+        self.weight = nn.Parameter(torch.empty(produced, count * source.feature_size, target.feature_size))
+        self.bias = nn.Parameter(torch.empty(produced, target.feature_size))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.zeros_(self.weight)
+        init.zeros_(self.bias)
+
+    def forward(self, source: torch.Tensor, alignment: TokenAlignment) -> torch.Tensor:
+        """`(source_layers, batch, source_tokens, features)` -> `(produced_layers, batch, target_tokens, target
+        features)`."""
+        used = sorted({layer for layers in self.source_layers for layer in layers})
+        aligned = dict(zip(used, alignment.apply(source[used]).unbind(0), strict=True))
+        inputs = torch.stack([torch.cat([aligned[i] for i in layers], dim=-1) for layers in self.source_layers])
+        return torch.einsum("lbtf,lfo->lbto", inputs, self.weight) + self.bias[:, None, None]
+
+
 class KVMixture(nn.Module):
     """One mixture of translator experts: maps the source's keys (or values) to the target's.
 
@@ -73,7 +114,9 @@ class KVMixture(nn.Module):
        projected to `hidden_size`) is added: it tells the mixture which target token it is producing;
     2. a router picks `num_experts_per_token` expert MLPs from the normalised representation, and their gated
        outputs are added to it (a residual mixture of translators);
-    3. one projection produces the features of every produced target layer at once.
+    3. one projection produces the features of every produced target layer at once;
+    4. if the config has `depth_matched_layers`, a per-layer linear path from the source layers at the same
+       relative depth is added ([`DepthMatchedPath`]): it lifts the rank limit of the shared representation.
 
     The experts run once per token, not once per (token, layer): the cost grows with the context length only.
     With the identity init both projections are identities and every expert outputs zero, so the mixture
@@ -98,6 +141,9 @@ class KVMixture(nn.Module):
         self.target_tokens = None
         if config.target_embedding_size is not None:
             self.target_tokens = TargetTokenReader(config.target_embedding_size, d)
+        self.depth_matched = None
+        if config.depth_matched_layers:
+            self.depth_matched = DepthMatchedPath(config.depth_matched_layers, source, target, start, count)
 
     @torch.no_grad()
     def reset_parameters(self, identity: bool, std: float) -> None:
@@ -157,6 +203,8 @@ class KVMixture(nn.Module):
         out = self.out_proj(hidden)  # (batch, target_tokens, produced_layers * target_features)
         count = self.produced[1]
         out = out.view(*out.shape[:2], count, -1).permute(2, 0, 1, 3)
+        if self.depth_matched is not None:
+            out = out + self.depth_matched(source, alignment)
         return out, self._load_balancing_loss(logits, chosen)
 
     def _load_balancing_loss(self, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -178,7 +226,7 @@ class PerLayerProjector(nn.Module):
         start, count = config.produced_layer_range()
         n_source, n_target = source.num_layers, target.num_layers
         self.source_layers = [
-            round(layer * (n_source - 1) / max(n_target - 1, 1)) for layer in range(start, start + count)
+            depth_matched_source_layers(n_source, layer, n_target, 1)[0] for layer in range(start, start + count)
         ]
         self.target_features = target.feature_size
         inner, width_out = config.expert_hidden_size, 2 * target.feature_size
@@ -382,7 +430,7 @@ class MoTTranslator(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):
             module.reset_parameters(identity=self.config.init == "identity", std=self.config.initializer_range)
-        elif isinstance(module, TargetTokenReader):
+        elif isinstance(module, (TargetTokenReader, DepthMatchedPath)):
             module.reset_parameters()
         elif isinstance(module, PerLayerProjector):
             module.reset_parameters()

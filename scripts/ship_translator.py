@@ -1,5 +1,6 @@
 """Package a trained translator as a shipped default: weights and config into `hf_mot/pretrained/NAME/`, with a
 model card rendered from the training run and the LM-fidelity results, also copied to `model_cards/NAME.md`.
+The weights are stored in float16; `MoTTranslator.from_pretrained` loads them as float32 by default.
 
 Usage:
     python scripts/ship_translator.py --run runs/smollm2-to-gemma3 --fidelity benchmarks/results/lm_fidelity.json \
@@ -125,7 +126,9 @@ def main() -> None:
     destination.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=destination.parent) as tmp:
         staged = Path(tmp) / name
-        translator.save_pretrained(staged, model_card=str(card))
+        # Stored in float16 to fit the size limit (the config records it); `from_pretrained` loads float32 unless
+        # asked for another dtype. The rounding (about 5e-4 relative) is far below the translation error.
+        translator.half().save_pretrained(staged, model_card=str(card))
         # The package holds the modeling code already; the Hub copy gets it from `push_to_hub`.
         for module in staged.glob("*.py"):
             module.unlink()

@@ -113,16 +113,19 @@ def _translate(translator, source, target, tok):
                              target_model=target, target_tokenizer=tok)
 
 
-def test_target_token_reader_starts_as_the_translator_it_extends(tmp_path):
-    """`hf-mot train --init-from` adds the reader to a translator without one: it must start as that translator
-    (zero projection), load no uninitialised weights, and then be a live path."""
+def test_added_paths_start_as_the_translator_they_extend(tmp_path):
+    """`hf-mot train --init-from` adds the target-token reader and the depth-matched path to a translator
+    without them: it must start as that translator (both start at zero), load no uninitialised weights, and
+    then each path must be live."""
     source, target, tok = tiny_model("llama"), tiny_model("gemma3"), char_tokenizer()
     config = MoTConfig.from_models(source.config, target.config, hidden_size=16, target_tokens=False)
     assert config.target_embedding_size is None
     torch.manual_seed(0)
     without = MoTTranslator(config).eval()
     without.save_pretrained(tmp_path)
-    with_reader = MoTTranslator.from_pretrained(tmp_path, target_embedding_size=target.config.hidden_size).eval()
+    with_reader = MoTTranslator.from_pretrained(
+        tmp_path, target_embedding_size=target.config.hidden_size, depth_matched_layers=2
+    ).eval()
     reader = with_reader.key_mixture.target_tokens
     assert torch.equal(reader.proj_weight, torch.zeros_like(reader.proj_weight))
     assert torch.equal(reader.norm_weight, torch.ones_like(reader.norm_weight))
@@ -134,6 +137,21 @@ def test_target_token_reader_starts_as_the_translator_it_extends(tmp_path):
     changed = _translate(with_reader, source, target, tok)
     assert not torch.allclose(changed.layers[0].keys, before.layers[0].keys)
     assert torch.equal(changed.layers[0].values, before.layers[0].values)  # only the key mixture was touched
+    depth = with_reader.value_mixture.depth_matched
+    assert torch.equal(depth.weight, torch.zeros_like(depth.weight))
+    with torch.no_grad():
+        depth.weight[1].normal_()
+    changed_again = _translate(with_reader, source, target, tok)
+    assert torch.equal(changed_again.layers[0].values, changed.layers[0].values)  # its own weight per layer
+    assert not torch.allclose(changed_again.layers[1].values, changed.layers[1].values)
+
+
+def test_depth_matched_source_layers():
+    from hf_mot.modeling_mot import depth_matched_source_layers
+
+    assert [depth_matched_source_layers(30, t, 18, 2) for t in (0, 9, 17)] == [[0, 1], [14, 15], [28, 29]]
+    assert [depth_matched_source_layers(2, t, 3, 1) for t in range(3)] == [[0], [0], [1]]
+    assert depth_matched_source_layers(4, 0, 4, 4) == [0, 1, 2, 3]
 
 
 def test_reading_target_tokens_needs_their_embeddings():
@@ -155,3 +173,5 @@ def test_reading_target_tokens_needs_their_embeddings():
     with pytest.raises(ValueError, match="per-layer baseline"):
         MoTConfig.from_models(source.config, target.config, architecture="per_layer",
                               target_embedding_size=target.config.hidden_size)
+    with pytest.raises(ValueError, match="depth_matched_layers"):
+        MoTConfig.from_models(source.config, target.config, depth_matched_layers=source.config.num_hidden_layers + 1)

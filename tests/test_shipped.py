@@ -25,12 +25,13 @@ def test_loads_by_repo_id_offline(tmp_path):
     code = (
         "from hf_mot import MoTTranslator\n"
         f"t = MoTTranslator.from_pretrained('{REPO_ID}')\n"
-        "print(t.config.source['num_layers'], t.config.target['num_layers'], t.config.target['model_type'])\n"
+        "print(t.config.source['num_layers'], t.config.target['num_layers'], t.config.target['model_type'], t.dtype)\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["30", "18", "gemma3_text"]
+    # Stored in float16 to stay small; loaded as float32 unless the caller asks for another dtype.
+    assert result.stdout.split() == ["30", "18", "gemma3_text", "torch.float32"]
     assert not any(tmp_path.iterdir()), "nothing should have been downloaded into the Hub cache"
 
 

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the mixtures read the target's embedding of each target token (with --init-from: added, "
         "starting at zero, to a translator that lacks it)",
     )
+    translator.add_argument(
+        "--depth-matched-layers", type=int, default=2,
+        help="source layers at the same relative depth that each target layer also reads through a linear map of "
+        "its own (0: off; with --init-from: added, starting at zero, to a translator that lacks it)",
+    )
     translator.add_argument("--injection-mode", choices=["full", "window"], default="full")
     translator.add_argument("--injection-start", type=int, default=0)
     translator.add_argument("--injection-layers", type=int, default=None)
@@ -111,19 +116,22 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     target, target_tok = load_model(args.target)
     if args.init_from:
         translator = MoTTranslator.from_pretrained(args.init_from)
-        if args.target_tokens and translator.config.target_embedding_size is None and (
-            translator.config.architecture == "mixture"
-        ):
-            # The token projection of the new translator starts at zero: it starts as the loaded one.
-            translator = MoTTranslator.from_pretrained(
-                args.init_from, target_embedding_size=target.config.get_text_config(decoder=True).hidden_size
-            )
+        config, added = translator.config, {}
+        if config.architecture == "mixture":
+            if args.target_tokens and config.target_embedding_size is None:
+                added["target_embedding_size"] = target.config.get_text_config(decoder=True).hidden_size
+            if args.depth_matched_layers and not config.depth_matched_layers:
+                added["depth_matched_layers"] = args.depth_matched_layers
+        if added:
+            # The added paths start at zero: the new translator starts as the loaded one.
+            translator = MoTTranslator.from_pretrained(args.init_from, **added)
     else:
         config = MoTConfig.from_models(
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
             hidden_size=args.hidden_size, expert_hidden_size=args.expert_hidden_size, num_experts=args.num_experts,
             num_experts_per_token=args.num_experts_per_token, injection_mode=args.injection_mode,
             architecture=args.architecture, target_tokens=args.target_tokens,
+            depth_matched_layers=args.depth_matched_layers if args.architecture == "mixture" else 0,
             injection_start=args.injection_start, injection_layers=args.injection_layers,
         )
         torch.manual_seed(args.seed)
