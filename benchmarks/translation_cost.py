@@ -10,8 +10,8 @@ and multi-agent case that translation is for):
 
 Each is repeated `--trials` times and the table shows medians. Peak memory is measured in a second run of
 the script (so the sampler does not slow the timed calls): the resident memory each step added above what
-was resident before it, sampled every millisecond. The untrained translator costs what a trained
-one of the same config costs: quality is not measured here.
+was resident before it, sampled every millisecond. Quality is not measured here; window mode times a
+translator of the same shape that produces only the injected layers.
 
 Usage:
     python benchmarks/translation_cost.py --lengths 256 1024 2048 --output benchmarks/results/translation_cost.json
@@ -40,6 +40,9 @@ from hf_mot.evaluation.cost import PeakRSS
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
 from hf_mot.pipeline import align_contexts, build_translated_cache, encode_contexts, prefill_source
 
+# The config fields that decide a translator's size and work (the cost does not depend on its weights).
+SHAPE_FIELDS = ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "architecture",
+                "target_embedding_size", "depth_matched_layers")
 STEPS = ["translate_full", "translate_window", "native_target_prefill", "source_prefill"]
 LABELS = {
     "translate_full": "full",
@@ -82,6 +85,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default="smollm2-135m", help="source model (embedded name or path)")
     parser.add_argument("--target", default="gemma3-270m", help="target model (embedded name or path)")
+    parser.add_argument("--translator", default="hf-mot/smollm2-135m-to-gemma3-270m",
+                        help="translator whose shape is timed (path or repo id; default: the shipped one)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048],
                         help="context lengths in target tokens")
     parser.add_argument("--trials", type=int, default=3, help="timed repetitions per measurement (median reported)")
@@ -96,14 +101,12 @@ def main() -> None:
 
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
-    config = MoTConfig.from_models(
-        source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok
-    )
-    translator = MoTTranslator(config).eval()
-    # Window mode uses a translator of the same config that produces only the injected layers.
-    window_config = MoTConfig.from_models(
-        source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
-        injection_mode="window", injection_start=args.window_start, injection_layers=args.window_layers,
+    translator = MoTTranslator.from_pretrained(args.translator).eval()
+    # Window mode uses a translator of the same shape that produces only the injected layers.
+    shape = {name: getattr(translator.config, name) for name in SHAPE_FIELDS}
+    window_config = MoTConfig(
+        source=translator.config.source, target=translator.config.target, injection_mode="window",
+        injection_start=args.window_start, injection_layers=args.window_layers, **shape,
     )
     window_translator = MoTTranslator(window_config).eval()
     parameters = sum(p.numel() for p in translator.parameters())
