@@ -34,6 +34,10 @@ def render_model_card(
     """Render the card of a translator. `fidelity` (from `hf_mot.evaluation.summarize`, keyed by mode) and `qa`
     (task -> summary from `hf-mot evaluate`'s `evaluation.json`) become the card's `model-index`."""
     source, target = config.source_layout, config.target_layout
+    depth_matched = (
+        f", a depth-matched path from {config.depth_matched_layers} source layers per target layer"
+        if config.depth_matched_layers else ""
+    )
     eval_results = []
     for mode, summary in (fidelity or {}).items():
         for metric, key in (("gap_closed", "gap_closed"), ("top1_agreement", "top1_agreement")):
@@ -41,6 +45,7 @@ def render_model_card(
                 EvalResult(
                     task_type="kv-cache-translation", task_name=f"LM fidelity ({mode} mode)",
                     dataset_type="hf_mot/validation", dataset_name="hf_mot held-out documents",
+                    dataset_config=f"{mode} mode",  # the Hub groups results by task and dataset config
                     dataset_split="validation", metric_type=metric, metric_value=round(summary[key], 4),
                 )
             )
@@ -51,7 +56,8 @@ def render_model_card(
                 eval_results.append(
                     EvalResult(
                         task_type="question-answering", task_name=f"{task} from a translated cache ({mode} mode)",
-                        dataset_type=f"hf_mot/{task}", dataset_name=task, dataset_split="evaluation",
+                        dataset_type=f"hf_mot/{task}", dataset_name=task, dataset_config=f"{mode} mode",
+                        dataset_split="evaluation",
                         metric_type=metric, metric_value=round(summary[mode]["score"], 4),
                     )
                 )
@@ -78,7 +84,7 @@ def render_model_card(
         translator_description=(
             f"{size}{config.num_experts} experts per mixture (top-{config.num_experts_per_token}), hidden size "
             f"{config.hidden_size}, expert width {config.expert_hidden_size}, reading all source layers"
-            f"{' and the target token embeddings' if config.target_embedding_size else ''}, "
+            f"{' and the target token embeddings' if config.target_embedding_size else ''}{depth_matched}, "
             f"`{config.injection_mode}` mode, target layers {start}-{start + count - 1}"
         ),
         source_load_name=source_load_name or source.name_or_path or "SOURCE_MODEL",

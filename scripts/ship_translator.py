@@ -39,6 +39,18 @@ def _runtime_minutes(run: Path) -> float:
     return float("nan") if runtime is None else float(runtime) / 60
 
 
+# Translator paths a phase may add (at zero) to the translator it starts from, and how the card names them.
+ADDED_PATHS = {"target_embedding_size": "the target-token reader", "depth_matched_layers": "the depth-matched path"}
+
+
+def _added_paths(folder: Path, parent: str | None) -> str:
+    if parent is None or not (folder / "config.json").exists() or not (Path(parent) / "config.json").exists():
+        return ""
+    now, before = (json.loads((f / "config.json").read_text()) for f in (folder, Path(parent)))
+    added = [name for key, name in ADDED_PATHS.items() if now.get(key) and not before.get(key)]
+    return f" This phase added {' and '.join(added)} (starting at zero)." if added else ""
+
+
 def describe_phases(run: Path) -> list[str]:
     """One line per training phase (a run started `--init-from` another adds a phase), oldest first."""
     record_path = run / RECORD
@@ -54,6 +66,7 @@ def describe_phases(run: Path) -> list[str]:
             f"{_runtime_minutes(folder):.0f} min; batch {a['batch_size']}, {a['context_words'][0]}-"
             f"{a['context_words'][1]} context words, {a['continuation_words']} continuation words; loss weights "
             f"NLL {a['nll_weight']}, KV {a['kv_weight']}, KL {a['kl_weight']}, balance {a['balance_weight']}."
+            + _added_paths(folder, a.get("init_from"))
         )
         record = record.get("init_from_record")
     return lines[::-1]
@@ -82,7 +95,8 @@ def main() -> None:
         "out), cut into (context, continuation) pairs. Loss terms: next-token NLL on the continuation from the "
         "translated cache; Context Correction Loss = per-layer relative KV error against the target's native "
         "cache + KL to the native next-token distributions at the continuation positions; router load balancing. "
-        "On 2 CPU cores, fp32:\n\n" + "\n".join(describe_phases(args.run))
+        "On 2 CPU cores, fp32 (the weights are stored in float16 and load as float32):\n\n"
+        + "\n".join(describe_phases(args.run))
         + f"\n\nFinal logged losses: NLL {history[-1]['nll']:.3f}, KV {history[-1]['kv']:.3f}, "
         f"KL {history[-1]['kl']:.3f}."
     )
