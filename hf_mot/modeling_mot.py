@@ -358,7 +358,7 @@ class MoTTranslator(PreTrainedModel):
         """Load a translator from a folder or a Hub repo id (`revision=` pins a branch or commit).
 
         The translators that ship with hf_mot (`SHIPPED_TRANSLATORS`) load from the installed package, offline,
-        when asked for by repo id without a `revision`. Weights load from safetensors only, never pickle. The
+        when asked for by repo id without a `revision`. They load in float32 unless `dtype=` says otherwise. Weights load from safetensors only, never pickle. The
         repo's `README.md` model card, if any, is kept in `model_card` and written again by `save_pretrained`.
         """
         name = str(pretrained_model_name_or_path)
@@ -368,6 +368,9 @@ class MoTTranslator(PreTrainedModel):
         if kwargs.get("use_safetensors") is False:
             raise ValueError("`use_safetensors=False`: hf_mot translators load from safetensors only (no pickle).")
         kwargs["use_safetensors"] = True
+        # Weights may be stored in float16 to stay small (the shipped ones are); translators compute in float32
+        # unless the caller asks otherwise (`dtype=`), as the models they sit between usually do on CPU.
+        kwargs.setdefault("dtype", torch.float32)
         try:
             model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except OSError as error:

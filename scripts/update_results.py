@@ -59,6 +59,7 @@ def fidelity() -> list[str]:
     return [
         "### Language-modelling fidelity on held-out text",
         "",
+        *([report["description"], ""] if "description" in report else []),
         f"`{report['command']}`; {report['data']}. Window mode injects translated layers "
         f"{report['window'][0]}-{sum(report['window']) - 1} into the target's own pass. The last column is "
         "the KL right after the context, where last-state shift shows.",
@@ -87,6 +88,27 @@ def cost() -> list[str]:
     ]
 
 
+def failure_modes() -> list[str]:
+    """The failure-mode table: it compares ablation training runs, so `--run` does not redo it either."""
+    path = RESULTS / "failure_modes.json"
+    if not path.exists():
+        return []
+    report = json.loads(path.read_text())
+    return [
+        "### The two failure modes, with and without the Context Correction Loss",
+        "",
+        f"`{report['command']}`; {report['data']}. `window` rows inject the translated layers named and let "
+        "the target compute every layer above them (propagated translation shift: the KV error at the window "
+        "against the error it grows to at the top layer); the last column is the KL right after the context "
+        "in `full` mode (last-state shift).",
+        "",
+        report["table"],
+        "",
+        "![failure modes](benchmarks/results/failure_modes.png)",
+        "",
+    ]
+
+
 def section() -> str:
     evaluation = (RESULTS / "evaluation" / "evaluation.md").read_text()
     return "\n".join([
@@ -94,6 +116,7 @@ def section() -> str:
         "",
         *fidelity(),
         *ablations(),
+        *failure_modes(),
         "### QA, long context and multi-agent reuse",
         "",
         evaluation.strip(),
