@@ -109,6 +109,15 @@ def failure_modes() -> list[str]:
     ]
 
 
+def evaluation_caveat() -> list[str]:
+    """A line saying so when the QA tables were measured on another translator than the shipped one."""
+    measured = json.loads((RESULTS / "evaluation" / "evaluation.json").read_text())["translator"]
+    if measured == SHIPPED:
+        return []
+    return [f"These tables were measured on `{measured}`, not on the translator shipped now; "
+            "`python scripts/update_results.py --run` measures the shipped one.", ""]
+
+
 def section() -> str:
     evaluation = (RESULTS / "evaluation" / "evaluation.md").read_text()
     return "\n".join([
@@ -119,6 +128,7 @@ def section() -> str:
         *failure_modes(),
         "### QA, long context and multi-agent reuse",
         "",
+        *evaluation_caveat(),
         evaluation.strip(),
         "",
         "![long context](benchmarks/results/evaluation/evaluation.png)",
