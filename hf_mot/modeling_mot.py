@@ -86,6 +86,7 @@ class DepthMatchedPath(nn.Module):
             depth_matched_source_layers(source.num_layers, layer, target.num_layers, count)
             for layer in range(start, start + produced)
         ]
+        self.used_source_layers = sorted({layer for layers in self.source_layers for layer in layers})
         self.weight = nn.Parameter(torch.empty(produced, count * source.feature_size, target.feature_size))
         self.bias = nn.Parameter(torch.empty(produced, target.feature_size))
 
@@ -97,7 +98,7 @@ class DepthMatchedPath(nn.Module):
     def forward(self, source: torch.Tensor, alignment: TokenAlignment) -> torch.Tensor:
         """`(source_layers, batch, source_tokens, features)` -> `(produced_layers, batch, target_tokens, target
         features)`."""
-        used = sorted({layer for layers in self.source_layers for layer in layers})
+        used = self.used_source_layers
         aligned = dict(zip(used, alignment.apply(source[used]).unbind(0), strict=True))
         inputs = torch.stack([torch.cat([aligned[i] for i in layers], dim=-1) for layers in self.source_layers])
         return torch.einsum("lbtf,lfo->lbto", inputs, self.weight) + self.bias[:, None, None]
@@ -358,8 +359,9 @@ class MoTTranslator(PreTrainedModel):
         """Load a translator from a folder or a Hub repo id (`revision=` pins a branch or commit).
 
         The translators that ship with hf_mot (`SHIPPED_TRANSLATORS`) load from the installed package, offline,
-        when asked for by repo id without a `revision`. They load in float32 unless `dtype=` says otherwise. Weights load from safetensors only, never pickle. The
-        repo's `README.md` model card, if any, is kept in `model_card` and written again by `save_pretrained`.
+        when asked for by repo id without a `revision`. They load in float32 unless `dtype=` says otherwise.
+        Weights load from safetensors only, never pickle. The repo's `README.md` model card, if any, is kept in
+        `model_card` and written again by `save_pretrained`.
         """
         name = str(pretrained_model_name_or_path)
         shipped = shipped_translator_dir(name)
