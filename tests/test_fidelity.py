@@ -43,3 +43,22 @@ def test_identity_translator_closes_the_whole_gap(mode):
     assert math.isclose(summary[mode]["gap_closed"], 1.0, abs_tol=1e-4)
     assert summary[mode]["top1_agreement"] == 1.0
     assert abs(summary[mode]["kl"]) < 1e-5
+
+
+def test_tail_only_floor():
+    """The tail-only floor is the target reading just the last tokens: a tail as long as the whole context is
+    native reading (the gap closes), a shorter one is not."""
+    model, tokenizer = tiny_model("llama"), char_tokenizer()
+    translator = identity_translator(model, tokenizer)
+    examples = [
+        FidelityExample(c[:40], tokenizer(c[40:60], add_special_tokens=False).input_ids, 41, "test")
+        for c in CONTEXTS
+    ]
+    kwargs = dict(translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
+                  target_tokenizer=tokenizer, conditions={"full+tail": {"native_tail": 8}}, progress=False)
+    whole = summarize(evaluate_fidelity(examples, tail_only=40, **kwargs), ["tail_only"])
+    assert math.isclose(whole["tail_only"]["gap_closed"], 1.0, abs_tol=1e-4)  # 40 tokens after BOS: everything
+    rows = evaluate_fidelity(examples, tail_only=8, **kwargs)
+    short = summarize(rows, ["tail_only", "full+tail"])
+    assert short["tail_only"]["kl"] > 1e-6  # the tiny model reads little, but not nothing, from the rest
+    assert math.isclose(short["full+tail"]["gap_closed"], 1.0, abs_tol=1e-4)  # exact translation + tail

@@ -88,6 +88,61 @@ def test_window_mode_only_replaces_the_window():
     assert not torch.allclose(cache.layers[2].keys, native.layers[2].keys)  # shifted by the injected layer
 
 
+def test_native_tail_is_read_by_the_target():
+    """With `native_tail=k`, the tokens before the tail keep their translation and the tail is the target's own
+    reading of it: at layer 0 (which sees only the token and its position) exactly the target's native states."""
+    target, tok = tiny_model("llama", seed=1), char_tokenizer()
+    source = tiny_model("qwen2", seed=5)
+    translator = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16)).eval()
+    kwargs = dict(translator=translator, source_model=source, source_tokenizer=tok, target_model=target,
+                  target_tokenizer=tok)
+    plain = translate_context(CONTEXTS[0], **kwargs)
+    tail = translate_context(CONTEXTS[0], native_tail=6, **kwargs)
+    from transformers import DynamicCache
+
+    from hf_mot.pipeline import encode_contexts
+
+    native = DynamicCache(config=target.config)
+    with torch.no_grad():
+        ids = encode_contexts(tok, [CONTEXTS[0]]).input_ids
+        target(input_ids=ids, use_cache=True, **{cache_kwarg(target): native})
+    assert tail.get_seq_length() == plain.get_seq_length() == ids.shape[1]
+    assert torch.equal(tail.attention_mask, plain.attention_mask)
+    for layer in range(len(tail.layers)):
+        assert torch.equal(tail.layers[layer].keys[:, :, :-6], plain.layers[layer].keys[:, :, :-6])
+        assert torch.equal(tail.layers[layer].values[:, :, :-6], plain.layers[layer].values[:, :, :-6])
+    torch.testing.assert_close(tail.layers[0].keys[:, :, -6:], native.layers[0].keys[:, :, -6:])
+    torch.testing.assert_close(tail.layers[0].values[:, :, -6:], native.layers[0].values[:, :, -6:])
+    assert not torch.allclose(plain.layers[0].keys[:, :, -6:], native.layers[0].keys[:, :, -6:])
+    assert not torch.allclose(tail.layers[1].keys[:, :, -6:], native.layers[1].keys[:, :, -6:])  # reads the rest
+
+
+def test_first_token_is_the_targets_own():
+    """The first context token of each row (BOS here) sees only itself: its states come from the target, exactly
+    as native prefill caches them, also in a left-padded batch; the other tokens stay translated."""
+    target, tok = tiny_model("gemma3", seed=1), char_tokenizer()
+    source = tiny_model("llama", seed=5)
+    translator = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16)).eval()
+    contexts = [CONTEXTS[0], CONTEXTS[2][:30]]
+    cache = translate_context(contexts, translator=translator, source_model=source, source_tokenizer=tok,
+                              target_model=target, target_tokenizer=tok)
+    from transformers import DynamicCache
+
+    from hf_mot.pipeline import encode_contexts
+
+    encoded = encode_contexts(tok, contexts)
+    first = encoded.attention_mask.argmax(dim=1)
+    for row, column in enumerate(first.tolist()):
+        native = DynamicCache()
+        with torch.no_grad():
+            target(input_ids=encoded.input_ids[row : row + 1, column:], use_cache=True,
+                   **{cache_kwarg(target): native})
+        for layer in (1,):  # the global layer keeps every token
+            torch.testing.assert_close(cache.layers[layer].keys[row, :, column], native.layers[layer].keys[0, :, 0])
+            torch.testing.assert_close(cache.layers[layer].values[row, :, column], native.layers[layer].values[0, :, 0])
+            assert not torch.allclose(cache.layers[layer].keys[row, :, -1], native.layers[layer].keys[0, :, -1])
+
+
 def test_save_and_load_round_trip(tmp_path):
     source, target = tiny_model("llama"), tiny_model("gemma3")
     translator = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16))

@@ -24,6 +24,19 @@ def test_tiny_identity_oracle(family, mode):
     _assert_oracle(tiny_model(family), char_tokenizer(), mode, window=(1, 1))
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_identity_oracle_with_native_tail(family):
+    """The target reading the last tokens itself on top of an exact translation is native prefill, also for a
+    left-padded batch and across Gemma 3's sliding window (8 tokens, shorter than the tail's context)."""
+    model, tokenizer = tiny_model(family), char_tokenizer()
+    translator = identity_translator(model, tokenizer)
+    for contexts in (CONTEXTS[0], CONTEXTS[:3]):
+        native, translated = native_and_translated(
+            model, tokenizer, translator, contexts, PROMPT, native_tail=5, max_new_tokens=16, do_sample=False
+        )
+        assert translated.tolist() == native.tolist()
+
+
 @pytest.mark.real_models
 @pytest.mark.parametrize("model_fixture", ["smollm2", "gemma3"])
 @pytest.mark.parametrize("mode", ["full", "window"])

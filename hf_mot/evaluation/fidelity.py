@@ -97,6 +97,7 @@ def evaluate_fidelity(
     target_model: PreTrainedModel,
     target_tokenizer: PreTrainedTokenizerBase,
     conditions: dict[str, dict],
+    tail_only: int = 0,
     progress: bool = True,
 ) -> list[dict]:
     """Score every example natively, without context, and under each translated condition.
@@ -104,6 +105,9 @@ def evaluate_fidelity(
     Args:
         conditions: name -> keyword arguments of `translate_context` (e.g. `{"injection_mode": "full"}`); a
             `"translator"` entry overrides `translator` (see `qa.translated_conditions`).
+        tail_only: if > 0, also score condition `"tail_only"`: the target reads only the last `tail_only`
+            context tokens, no translation. It is the floor a `native_tail` of that length has to beat, so that
+            what the tail itself brings is not credited to translation.
 
     Returns:
         One dict per example: `context_tokens`, `corpus`, and per condition the summed NLL, the number of
@@ -131,17 +135,26 @@ def evaluate_fidelity(
             logits = _continuation_logits(
                 target_model, continuation, cache.get_seq_length(), cache=cache, prefix_mask=cache.attention_mask
             )
-            logp = logits.log_softmax(-1)
-            kl = (native_logp.exp() * (native_logp - logp)).sum(-1)
-            row[name] = {
-                "nll": F.cross_entropy(logits, targets, reduction="sum").item(),
-                "top1_agree": (logits.argmax(-1) == native.argmax(-1)).sum().item(),
-                "kl": kl.sum().item(),
-                # Position 0 is the first prediction after the context: where last-state shift shows.
-                "kl_by_position": kl.tolist(),
-            }
+            row[name] = _against_native(logits, targets, native, native_logp)
+        if tail_only:
+            tail = context_ids[0, -tail_only:].tolist()
+            ids = torch.tensor([bos + tail + example.continuation_ids])
+            logits = _continuation_logits(target_model, ids, len(bos) + len(tail))
+            row["tail_only"] = _against_native(logits, targets, native, native_logp)
         rows.append(row)
     return rows
+
+
+def _against_native(logits, targets, native, native_logp) -> dict:
+    logp = logits.log_softmax(-1)
+    kl = (native_logp.exp() * (native_logp - logp)).sum(-1)
+    return {
+        "nll": F.cross_entropy(logits, targets, reduction="sum").item(),
+        "top1_agree": (logits.argmax(-1) == native.argmax(-1)).sum().item(),
+        "kl": kl.sum().item(),
+        # Position 0 is the first prediction after the context: where last-state shift shows.
+        "kl_by_position": kl.tolist(),
+    }
 
 
 def summarize(rows: list[dict], conditions: list[str]) -> dict:

@@ -111,7 +111,9 @@ def context_correction_loss(
         native_cache, native_kv = native_context_kv(target_model, batch)
         native_logits = _continue(target_model, native_cache, target_mask, batch) if weights.kl else None
 
-    out = run_translator(translator, source, batch["alignment"], target_model, batch["target_input_ids"])
+    out = run_translator(
+        translator, source, batch["alignment"], target_model, batch["target_input_ids"], target_mask
+    )
     target = EncodedContext(batch["target_input_ids"], target_mask, spans=[], special=[])
     cache, context_kv = fill_translated_cache(out, target_model, target, mode)
     # From the injection point up: what the target attends to, translated or computed on top of the translation.
