@@ -86,7 +86,6 @@ class DepthMatchedPath(nn.Module):
             depth_matched_source_layers(source.num_layers, layer, target.num_layers, count)
             for layer in range(start, start + produced)
         ]
-        self.used_source_layers = sorted({layer for layers in self.source_layers for layer in layers})
         self.weight = nn.Parameter(torch.empty(produced, count * source.feature_size, target.feature_size))
         self.bias = nn.Parameter(torch.empty(produced, target.feature_size))
 
@@ -95,13 +94,15 @@ class DepthMatchedPath(nn.Module):
         init.zeros_(self.weight)
         init.zeros_(self.bias)
 
-    def forward(self, source: torch.Tensor, alignment: TokenAlignment) -> torch.Tensor:
-        """`(source_layers, batch, source_tokens, features)` -> `(produced_layers, batch, target_tokens, target
-        features)`."""
-        used = self.used_source_layers
-        aligned = dict(zip(used, alignment.apply(source[used]).unbind(0), strict=True))
-        inputs = torch.stack([torch.cat([aligned[i] for i in layers], dim=-1) for layers in self.source_layers])
-        return torch.einsum("lbtf,lfo->lbto", inputs, self.weight) + self.bias[:, None, None]
+    def forward(self, source: torch.Tensor, alignment: TokenAlignment, index: int) -> torch.Tensor:
+        """The contribution to produced layer `index`: `(batch, source_tokens, source_layers, features)` ->
+        `(batch, target_tokens, target_features)`. One layer at a time, so that no tensor of every produced
+        layer's inputs is ever built (at 4k tokens that alone was over 200 MB)."""
+        first, last = self.source_layers[index][0], self.source_layers[index][-1]
+        batch, tokens = source.shape[:2]
+        inputs = source[:, :, first : last + 1].reshape(batch, tokens, -1)  # consecutive layers, layer-major
+        aligned = alignment.apply(inputs[None])[0]
+        return F.linear(aligned, self.weight[index].t(), self.bias[index])
 
 
 class KVMixture(nn.Module):
@@ -172,16 +173,16 @@ class KVMixture(nn.Module):
     def forward(
         self, source: torch.Tensor, alignment: TokenAlignment, target_embeddings: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Translate `source` `(source_layers, batch, source_tokens, features)`; `target_embeddings`
+        """Translate `source` `(batch, source_tokens, source_layers, features)`; `target_embeddings`
         `(batch, target_tokens, target_embedding_size)` is needed when the mixture reads target tokens.
 
-        Returns the target features `(produced_layers, batch, target_tokens, target_features)` and the router's
-        load-balancing loss.
+        Returns the target features of each produced layer, `(batch, target_tokens, target_features)`, and the
+        router's load-balancing loss. The layers come one at a time (a list, not one tensor): that keeps peak
+        memory at the size of the output.
         """
-        layers, batch, tokens, features = source.shape
-        stacked = source.permute(1, 2, 0, 3).reshape(batch, tokens, layers * features)
+        batch, tokens, layers, features = source.shape
         # Project before aligning (both are linear): the alignment then moves `hidden_size` features, not all.
-        hidden = alignment.apply(self.in_proj(stacked)[None])[0]
+        hidden = alignment.apply(self.in_proj(source.reshape(batch, tokens, layers * features))[None])[0]
         if self.target_tokens is not None:
             hidden = hidden + self.target_tokens(target_embeddings.to(hidden.dtype))
 
@@ -201,11 +202,16 @@ class KVMixture(nn.Module):
             mixed.index_add_(0, rows, y * gates[rows, slot].unsqueeze(-1))
         hidden = (flat + mixed).view_as(hidden)
 
-        out = self.out_proj(hidden)  # (batch, target_tokens, produced_layers * target_features)
+        # `out_proj` holds every produced layer's rows, layer after layer; apply them one layer at a time.
         count = self.produced[1]
-        out = out.view(*out.shape[:2], count, -1).permute(2, 0, 1, 3)
-        if self.depth_matched is not None:
-            out = out + self.depth_matched(source, alignment)
+        weights = self.out_proj.weight.view(count, -1, self.out_proj.in_features)
+        biases = self.out_proj.bias.view(count, -1)
+        out = []
+        for index in range(count):
+            layer = F.linear(hidden, weights[index], biases[index])
+            if self.depth_matched is not None:
+                layer = layer + self.depth_matched(source, alignment, index)
+            out.append(layer)
         return out, self._load_balancing_loss(logits, chosen)
 
     def _load_balancing_loss(self, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -244,12 +250,13 @@ class PerLayerProjector(nn.Module):
         init.zeros_(self.b_out)
 
     def forward(self, keys: torch.Tensor, values: torch.Tensor, alignment: TokenAlignment):
-        """`(source_layers, batch, source_tokens, features)` keys and values -> the target's, per produced
+        """`(batch, source_tokens, source_layers, features)` keys and values -> the target's, per produced
         layer `(layers, batch, target_tokens, target_features)`."""
-        x = alignment.apply(torch.cat([keys, values], dim=-1)[self.source_layers])
+        x = alignment.apply(torch.cat([keys, values], dim=-1)[:, :, self.source_layers].permute(2, 0, 1, 3))
         hidden = F.gelu(torch.einsum("cbtf,cfh->cbth", x, self.w_in) + self.b_in[:, None, None])
         out = torch.einsum("cbth,chf->cbtf", hidden, self.w_out) + self.b_out[:, None, None]
-        return out.split(self.target_features, dim=-1)
+        keys, values = out.split(self.target_features, dim=-1)
+        return list(keys.unbind(0)), list(values.unbind(0))
 
 
 def _read_model_card(name_or_path, kwargs: dict) -> str | None:
@@ -485,17 +492,20 @@ class MoTTranslator(PreTrainedModel):
             )
 
         def features(tensors):
-            stacked = torch.stack(tensors).to(self.dtype)  # (layers, batch, heads, tokens, dim)
-            layers, batch, heads, tokens, dim = stacked.shape
-            return stacked.permute(0, 1, 3, 2, 4).reshape(layers, batch, tokens, heads * dim)
+            # Token-major `(batch, tokens, layers, heads * dim)`: one copy, and every layer of a token in a row.
+            batch, heads, tokens, dim = tensors[0].shape
+            return torch.stack([t.to(self.dtype).transpose(1, 2).reshape(batch, tokens, heads * dim)
+                                for t in tensors], dim=2)
 
         def heads(translated):
-            translated = translated.reshape(*translated.shape[:3], target.num_kv_heads, target.head_dim)
-            return list(translated.permute(0, 1, 3, 2, 4).unbind(0))
+            return [
+                layer.view(*layer.shape[:2], target.num_kv_heads, target.head_dim).transpose(1, 2)
+                for layer in translated
+            ]
 
         if self.config.architecture == "per_layer":
             keys, values = self.projector(features(source_keys), features(source_values), alignment)
-            zero = keys.new_zeros(())
+            zero = keys[0].new_zeros(())
             return MoTOutput(keys=heads(keys), values=heads(values), layers=self.produced_layers, aux_loss=zero)
         keys, key_balance = self.key_mixture(features(source_keys), alignment, target_embeddings)
         values, value_balance = self.value_mixture(features(source_values), alignment, target_embeddings)

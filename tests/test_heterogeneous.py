@@ -137,10 +137,10 @@ def test_first_token_is_the_targets_own():
         with torch.no_grad():
             target(input_ids=encoded.input_ids[row : row + 1, column:], use_cache=True,
                    **{cache_kwarg(target): native})
-        for layer in (1,):  # the global layer keeps every token
-            torch.testing.assert_close(cache.layers[layer].keys[row, :, column], native.layers[layer].keys[0, :, 0])
-            torch.testing.assert_close(cache.layers[layer].values[row, :, column], native.layers[layer].values[0, :, 0])
-            assert not torch.allclose(cache.layers[layer].keys[row, :, -1], native.layers[layer].keys[0, :, -1])
+        ours, own = cache.layers[1], native.layers[1]  # the global layer keeps every token
+        torch.testing.assert_close(ours.keys[row, :, column], own.keys[0, :, 0])
+        torch.testing.assert_close(ours.values[row, :, column], own.values[0, :, 0])
+        assert not torch.allclose(ours.keys[row, :, -1], own.keys[0, :, -1])
 
 
 def test_save_and_load_round_trip(tmp_path):
