@@ -107,6 +107,9 @@ def main() -> None:
     print(table)
     report = {
         "benchmark": "failure_modes", "command": "python benchmarks/failure_modes.py " + " ".join(sys.argv[1:]),
+        # Each context's first token comes from the target itself (`pipeline.native_first_token`) since hf_mot
+        # 0.2; tables without this field were measured before, with it translated.
+        "first_token": "target",
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "data": f"validation split of hf_mot.training.data, {args.examples} contexts of {args.length} target tokens",
         "results": results, "table": table,

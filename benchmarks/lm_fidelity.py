@@ -133,6 +133,9 @@ def main() -> None:
     report = {
         "benchmark": "lm_fidelity",
         "command": "python benchmarks/lm_fidelity.py " + " ".join(sys.argv[1:]),
+        # Each context's first token comes from the target itself (`pipeline.native_first_token`) since hf_mot
+        # 0.2; tables without this field were measured before, with it translated.
+        "first_token": "target",
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__},
         "source": args.source, "target": args.target,

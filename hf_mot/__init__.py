@@ -9,7 +9,7 @@ from .modeling_mot import MoTOutput, MoTTranslator
 from .models import load_model
 from .pipeline import translate_context
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 AutoConfig.register(MoTConfig.model_type, MoTConfig, exist_ok=True)
 AutoModel.register(MoTConfig, MoTTranslator, exist_ok=True)
