@@ -94,14 +94,19 @@ class DepthMatchedPath(nn.Module):
         init.zeros_(self.weight)
         init.zeros_(self.bias)
 
-    def forward(self, source: torch.Tensor, alignment: TokenAlignment, index: int) -> torch.Tensor:
+    def forward(
+        self, source: torch.Tensor, alignment: TokenAlignment, index: int, last_tokens: int | None = None
+    ) -> torch.Tensor:
         """The contribution to produced layer `index`: `(batch, source_tokens, source_layers, features)` ->
-        `(batch, target_tokens, target_features)`. One layer at a time, so that no tensor of every produced
-        layer's inputs is ever built (at 4k tokens that alone was over 200 MB)."""
+        `(batch, target_tokens, target_features)`, or only the last `last_tokens` target tokens. One layer at a
+        time, so that no tensor of every produced layer's inputs is ever built (at 4k tokens that alone was
+        over 200 MB)."""
         first, last = self.source_layers[index][0], self.source_layers[index][-1]
         batch, tokens = source.shape[:2]
         inputs = source[:, :, first : last + 1].reshape(batch, tokens, -1)  # consecutive layers, layer-major
         aligned = alignment.apply(inputs[None])[0]
+        if last_tokens is not None:
+            aligned = aligned[:, -last_tokens:]
         return F.linear(aligned, self.weight[index].t(), self.bias[index])
 
 
@@ -171,10 +176,15 @@ class KVMixture(nn.Module):
             init.normal_(self.expert_out, std=std)
 
     def forward(
-        self, source: torch.Tensor, alignment: TokenAlignment, target_embeddings: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        source: torch.Tensor,
+        alignment: TokenAlignment,
+        target_embeddings: torch.Tensor | None = None,
+        last_tokens: list[int | None] | None = None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Translate `source` `(batch, source_tokens, source_layers, features)`; `target_embeddings`
-        `(batch, target_tokens, target_embedding_size)` is needed when the mixture reads target tokens.
+        `(batch, target_tokens, target_embedding_size)` is needed when the mixture reads target tokens;
+        `last_tokens`, one entry per produced layer, limits a layer to its last that many target tokens.
 
         Returns the target features of each produced layer, `(batch, target_tokens, target_features)`, and the
         router's load-balancing loss. The layers come one at a time (a list, not one tensor): that keeps peak
@@ -208,9 +218,10 @@ class KVMixture(nn.Module):
         biases = self.out_proj.bias.view(count, -1)
         out = []
         for index in range(count):
-            layer = F.linear(hidden, weights[index], biases[index])
+            last = None if last_tokens is None else last_tokens[index]
+            layer = F.linear(hidden if last is None else hidden[:, -last:], weights[index], biases[index])
             if self.depth_matched is not None:
-                layer = layer + self.depth_matched(source, alignment, index)
+                layer = layer + self.depth_matched(source, alignment, index, last)
             out.append(layer)
         return out, self._load_balancing_loss(logits, chosen)
 
@@ -461,6 +472,7 @@ class MoTTranslator(PreTrainedModel):
         source_values: list[torch.Tensor],
         alignment: TokenAlignment,
         target_embeddings: torch.Tensor | None = None,
+        last_tokens: list[int | None] | None = None,
     ) -> MoTOutput:
         """Translate position-free source keys and values.
 
@@ -473,7 +485,16 @@ class MoTTranslator(PreTrainedModel):
                 *optional*): the target model's input embeddings of the target tokens,
                 `target_model.get_input_embeddings()(target_input_ids)`. Required when the config has
                 `target_embedding_size`; `hf_mot.pipeline.run_translator` passes them.
+            last_tokens (`list[int | None]`, *optional*): per produced layer, produce only its last that many
+                target tokens (`None`: all). In `full` mode a sliding-window layer of the target keeps only its
+                last `sliding_window - 1` context tokens, so `build_translated_cache` asks for those only: on
+                long contexts that skips most of the work.
         """
+        if last_tokens is not None and len(last_tokens) != len(self.produced_layers):
+            raise ValueError(
+                f"`last_tokens` needs one entry per produced layer ({len(self.produced_layers)}), got "
+                f"{len(last_tokens)}."
+            )
         target = self.target_layout
         expected = self.config.target_embedding_size
         if expected is not None and target_embeddings is None:
@@ -505,10 +526,13 @@ class MoTTranslator(PreTrainedModel):
 
         if self.config.architecture == "per_layer":
             keys, values = self.projector(features(source_keys), features(source_values), alignment)
+            if last_tokens is not None:
+                keys, values = ([s if n is None else s[:, -n:] for s, n in zip(states, last_tokens, strict=True)]
+                                for states in (keys, values))
             zero = keys[0].new_zeros(())
             return MoTOutput(keys=heads(keys), values=heads(values), layers=self.produced_layers, aux_loss=zero)
-        keys, key_balance = self.key_mixture(features(source_keys), alignment, target_embeddings)
-        values, value_balance = self.value_mixture(features(source_values), alignment, target_embeddings)
+        keys, key_balance = self.key_mixture(features(source_keys), alignment, target_embeddings, last_tokens)
+        values, value_balance = self.value_mixture(features(source_values), alignment, target_embeddings, last_tokens)
         return MoTOutput(keys=heads(keys), values=heads(values), layers=self.produced_layers,
                          aux_loss=(key_balance + value_balance) / 2)
 

@@ -114,18 +114,20 @@ def run_translator(
     target_model: PreTrainedModel,
     target_input_ids: torch.Tensor,
     target_attention_mask: torch.Tensor,
+    last_tokens: list[int | None] | None = None,
 ) -> MoTOutput:
     """Call `translator` on position-free source KV (with the target's token embeddings if it reads them); the
     first context token of each row gets the target's own states (see `native_first_token`).
 
-    `translator` may be wrapped (DDP in training): its config is read from `.module` then.
+    `translator` may be wrapped (DDP in training): its config is read from `.module` then. `last_tokens` (per
+    produced layer) limits a layer to its last that many tokens (see `MoTTranslator.forward`).
     """
     config = getattr(translator, "module", translator).config
     embeddings = None
     if config.target_embedding_size is not None:
         with torch.no_grad():  # the target is frozen; only the translator learns
             embeddings = target_model.get_input_embeddings()(target_input_ids)
-    out = translator(source.keys, source.values, alignment, target_embeddings=embeddings)
+    out = translator(source.keys, source.values, alignment, target_embeddings=embeddings, last_tokens=last_tokens)
     return native_first_token(out, target_model, target_input_ids, target_attention_mask)
 
 
@@ -156,8 +158,9 @@ def native_first_token(
     at_first = at_first[:, None, :, None]  # (batch, heads, tokens, head_dim)
 
     def place(translated_states, own_states):
+        # A layer may hold only its last tokens (`last_tokens`); the first token may then not be among them.
         return [
-            torch.where(at_first, own_states[layer].to(states.dtype), states)
+            torch.where(at_first[:, :, -states.shape[2] :], own_states[layer].to(states.dtype), states)
             for layer, states in zip(translated.layers, translated_states, strict=True)
         ]
 
@@ -204,8 +207,11 @@ def build_translated_cache(
                 f"produces ({layers[0]}-{layers[-1]})."
             )
         layers = wanted
+    last_tokens = None
+    if mode == "full":
+        last_tokens = _tokens_kept(target_layout, translator.produced_layers, target.input_ids.shape[1], native_tail)
     translated = run_translator(
-        translator, source, alignment, target_model, target.input_ids, target.attention_mask
+        translator, source, alignment, target_model, target.input_ids, target.attention_mask, last_tokens
     )
     if not native_tail:
         cache, _ = fill_translated_cache(translated, target_model, target, mode, layers, source_id=source_id)
@@ -232,6 +238,21 @@ def build_translated_cache(
         **{cache_kwarg(decoder): cache},
     )
     return cache
+
+
+def _tokens_kept(layout: KVLayout, layers: list[int], context_tokens: int, native_tail: int) -> list | None:
+    """Per target layer, how many of the last context tokens its cache layer keeps in full mode (`None`: all).
+
+    A sliding-window layer keeps the last `sliding_window - 1` tokens (transformers' `DynamicSlidingWindowLayer`),
+    plus, with a native tail, those the tail's tokens still look back at. The translator need not produce the
+    rest: on long contexts that is most of its work and memory (Gemma 3: 15 of 18 layers slide over 512 tokens).
+    """
+    if layout.sliding_window is None:
+        return None
+    kept = layout.sliding_window - 1 + native_tail
+    if kept >= context_tokens:
+        return None
+    return [kept if layout.layer_types[layer] == "sliding_attention" else None for layer in layers]
 
 
 def _check_native_tail(native_tail, mode: str, context_tokens: int) -> None:
@@ -276,13 +297,17 @@ def fill_translated_cache(
         injection_mode=mode,
     )
     context_kv = {}
+    context_tokens = positions.shape[1]
     for layer_idx, keys, values in zip(translated.layers, translated.keys, translated.values, strict=True):
         if layer_idx not in layers:
             continue
-        keys = finish_target_keys(target_model, layer_idx, keys.to(dtype), positions)
+        kept = keys.shape[2]  # a sliding-window layer may come with only the tokens it keeps
+        keys = finish_target_keys(target_model, layer_idx, keys.to(dtype), positions[:, context_tokens - kept :])
         context_kv[layer_idx] = (keys, values.to(dtype))
         if mode == "full":
             cache.update(*context_kv[layer_idx], layer_idx)
+            if kept < context_tokens:
+                _count_dropped_tokens(cache, layer_idx, context_tokens - kept)
         else:
             cache.inject(layer_idx, *context_kv[layer_idx])
     if mode == "window":
@@ -297,6 +322,18 @@ def fill_translated_cache(
         )
         cache.record_context_kv = None
     return cache, context_kv
+
+
+def _count_dropped_tokens(cache: TranslatedCache, layer_idx: int, dropped: int) -> None:
+    # The layer saw every context token; it was handed only the ones it keeps. Its token count sets the positions
+    # and the attention mask from here on, so it must count the others too.
+    layer = cache.layers[layer_idx]
+    if not getattr(layer, "is_sliding", False) or not hasattr(layer, "cumulative_length"):
+        raise ValueError(
+            f"Target layer {layer_idx} was translated for its last tokens only, but its cache layer "
+            f"({type(layer).__name__}) is not a sliding-window layer that can skip the others."
+        )
+    layer.cumulative_length += dropped
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, tiny_model
 
 from hf_mot import MoTConfig, MoTTranslator, TranslatedCache, translate_context
 from hf_mot._compat import cache_kwarg
+from hf_mot.kv import read_source_cache
 
 
 def _check_generates(source, source_tok, target, target_tok, translator, contexts, mode):
@@ -141,6 +142,57 @@ def test_first_token_is_the_targets_own():
         torch.testing.assert_close(ours.keys[row, :, column], own.keys[0, :, 0])
         torch.testing.assert_close(ours.values[row, :, column], own.values[0, :, 0])
         assert not torch.allclose(ours.keys[row, :, -1], own.keys[0, :, -1])
+
+
+@pytest.mark.parametrize("native_tail", [0, 3])
+def test_sliding_layers_get_only_the_tokens_they_keep(native_tail):
+    """Full mode translates a sliding-window layer's last `sliding_window - 1` tokens only (plus the native
+    tail's); the cache, its token counts and what generate() makes of it equal translating every token."""
+    from hf_mot.pipeline import align_contexts, encode_contexts, fill_translated_cache, prefill_source, run_translator
+
+    target, tok = tiny_model("gemma3", seed=1), char_tokenizer()  # sliding window 8, contexts of ~80 tokens
+    source = tiny_model("llama", seed=5)
+    translator = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16,
+                                                     depth_matched_layers=1)).eval()
+    with torch.no_grad():
+        for param in translator.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    contexts = [CONTEXTS[0], CONTEXTS[2][:30]]
+    source_tok = bpe_tokenizer()
+    kwargs = dict(translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
+                  target_tokenizer=tok)
+    trimmed = translate_context(contexts, native_tail=native_tail, **kwargs)
+
+    source_enc, target_enc = encode_contexts(source_tok, contexts), encode_contexts(tok, contexts)
+    with torch.no_grad():
+        source_kv = read_source_cache(prefill_source(source, source_enc), source, source_enc.attention_mask)
+        out = run_translator(translator, source_kv, align_contexts(source_enc, target_enc), target,
+                             target_enc.input_ids, target_enc.attention_mask)
+    if native_tail:  # the tail as build_translated_cache reads it, on top of every token translated
+        out.keys, out.values = ([s[:, :, :-native_tail] for s in states] for states in (out.keys, out.values))
+        head = type(target_enc)(target_enc.input_ids[:, :-native_tail], target_enc.attention_mask[:, :-native_tail],
+                                target_enc.spans, target_enc.special)
+        every, _ = fill_translated_cache(out, target, head, "full")
+        every.attention_mask = target_enc.attention_mask
+        with torch.no_grad():
+            target.get_decoder()(input_ids=target_enc.input_ids[:, -native_tail:],
+                                 attention_mask=target_enc.attention_mask,
+                                 position_ids=target_enc.position_ids[:, -native_tail:], use_cache=True,
+                                 **{cache_kwarg(target): every})
+    else:
+        every, _ = fill_translated_cache(out, target, target_enc, "full")
+    assert trimmed.layers[0].keys.shape[2] == 7 and trimmed.layers[1].keys.shape[2] == target_enc.input_ids.shape[1]
+    for ours, reference in zip(trimmed.layers, every.layers, strict=True):
+        assert ours.get_seq_length() == reference.get_seq_length() == target_enc.input_ids.shape[1]
+        torch.testing.assert_close(ours.keys, reference.keys)
+        torch.testing.assert_close(ours.values, reference.values)
+    prompt = tok([" Answer:"] * 2, return_tensors="pt", add_special_tokens=False).input_ids
+    generated = [
+        target.generate(input_ids=prompt, attention_mask=cache.generation_mask(prompt.shape[1]), max_new_tokens=12,
+                        do_sample=False, **{cache_kwarg(target): cache})
+        for cache in (trimmed, every)
+    ]
+    assert generated[0].tolist() == generated[1].tolist()
 
 
 def test_save_and_load_round_trip(tmp_path):
