@@ -38,6 +38,18 @@ def test_generate_prints_answer_and_timings(dirs):
     assert "translation (full mode):" in lines[1] and "native prefill of the target:" in lines[1]
 
 
+def test_generate_with_a_native_tail(dirs):
+    result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
+                     dirs / "translator", "--context-file", dirs / "doc.txt", "--native-tail", "8",
+                     "--max-new-tokens", "4")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "translation (full mode, last 8 read natively):" in result.stdout
+    result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
+                     dirs / "translator", "--context", "Hi.", "--native-tail", "8")
+    assert result.returncode == 1
+    assert "`native_tail=8` leaves nothing to translate" in result.stderr.strip().splitlines()[-1]
+
+
 def test_info_names_the_pair(dirs):
     result = _hf_mot("info", dirs / "translator")
     assert result.returncode == 0, result.stderr[-2000:]
