@@ -104,7 +104,7 @@ def main() -> None:
     if args.fidelity is not None:
         fidelity = json.loads(args.fidelity.read_text())
         result = fidelity["results"][args.fidelity_entry]
-        modes = [mode for mode in ("full", "window") if mode in result["overall"]]
+        modes = [mode for mode, summary in result["overall"].items() if isinstance(summary, dict)]
         overall = {mode: result["overall"][mode] for mode in modes}
         lines = ["| mode | context tokens | examples | NLL no context | NLL native | NLL translated | gap closed "
                  "| top-1 agreement |", "|---|---|---|---|---|---|---|---|"]
@@ -118,7 +118,10 @@ def main() -> None:
         evaluation = (
             f"Held-out LM fidelity ({fidelity['data']}), measured with `{fidelity['command']}`. Window mode injects "
             f"target layers {fidelity['window'][0]}-{sum(fidelity['window']) - 1} of this full-mode translator "
-            "into the target's own pass.\n\n" + "\n".join(lines)
+            "into the target's own pass."
+            + (" `full+tailK` is full mode with the last K context tokens read by the target itself "
+               "(`translate_context(..., native_tail=K)`)." if any("+tail" in m for m in modes) else "")
+            + "\n\n" + "\n".join(lines)
         )
     qa = None
     if args.evaluation is not None:
