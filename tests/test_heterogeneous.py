@@ -120,28 +120,32 @@ def test_native_tail_is_read_by_the_target():
 
 def test_first_token_is_the_targets_own():
     """The first context token of each row (BOS here) sees only itself: its states come from the target, exactly
-    as native prefill caches them, also in a left-padded batch; the other tokens stay translated."""
+    as native prefill caches them, also in a left-padded batch, and again after the target's weights change
+    (they are computed once per model and token); the other tokens stay translated."""
     target, tok = tiny_model("gemma3", seed=1), char_tokenizer()
     source = tiny_model("llama", seed=5)
     translator = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16)).eval()
     contexts = [CONTEXTS[0], CONTEXTS[2][:30]]
-    cache = translate_context(contexts, translator=translator, source_model=source, source_tokenizer=tok,
-                              target_model=target, target_tokenizer=tok)
     from transformers import DynamicCache
 
     from hf_mot.pipeline import encode_contexts
 
     encoded = encode_contexts(tok, contexts)
     first = encoded.attention_mask.argmax(dim=1)
-    for row, column in enumerate(first.tolist()):
-        native = DynamicCache()
+    for _ in range(2):
+        cache = translate_context(contexts, translator=translator, source_model=source, source_tokenizer=tok,
+                                  target_model=target, target_tokenizer=tok)
+        for row, column in enumerate(first.tolist()):
+            native = DynamicCache()
+            with torch.no_grad():
+                target(input_ids=encoded.input_ids[row : row + 1, column:], use_cache=True,
+                       **{cache_kwarg(target): native})
+            ours, own = cache.layers[1], native.layers[1]  # the global layer keeps every token
+            torch.testing.assert_close(ours.keys[row, :, column], own.keys[0, :, 0])
+            torch.testing.assert_close(ours.values[row, :, column], own.values[0, :, 0])
+            assert not torch.allclose(ours.keys[row, :, -1], own.keys[0, :, -1])
         with torch.no_grad():
-            target(input_ids=encoded.input_ids[row : row + 1, column:], use_cache=True,
-                   **{cache_kwarg(target): native})
-        ours, own = cache.layers[1], native.layers[1]  # the global layer keeps every token
-        torch.testing.assert_close(ours.keys[row, :, column], own.keys[0, :, 0])
-        torch.testing.assert_close(ours.values[row, :, column], own.values[0, :, 0])
-        assert not torch.allclose(ours.keys[row, :, -1], own.keys[0, :, -1])
+            target.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # changes what layer 1 caches
 
 
 @pytest.mark.parametrize("native_tail", [0, 3])
