@@ -77,6 +77,15 @@ def align_contexts(
     return build_alignment(rows, source.lengths, target.lengths, is_identity=identical)
 
 
+def read_into_cache(model: PreTrainedModel, cache: Cache, input_ids, attention_mask=None, position_ids=None):
+    """Let `model`'s decoder read `input_ids` into `cache` (no LM head: only the cache is wanted)."""
+    decoder = model.get_decoder()
+    return decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+        **{cache_kwarg(decoder): cache},
+    )
+
+
 @torch.no_grad()
 def prefill_source(model: PreTrainedModel, encoded: EncodedContext) -> Cache:
     """Read the contexts with the source model and return its cache.
@@ -84,15 +93,7 @@ def prefill_source(model: PreTrainedModel, encoded: EncodedContext) -> Cache:
     The cache is a plain `DynamicCache()` (not built from the config), so sliding-window layers keep every
     context token: the translator needs all of them.
     """
-    cache = DynamicCache()
-    decoder = model.get_decoder()
-    outputs = decoder(
-        input_ids=encoded.input_ids,
-        attention_mask=encoded.attention_mask,
-        position_ids=encoded.position_ids,
-        use_cache=True,
-        **{cache_kwarg(decoder): cache},
-    )
+    outputs = read_into_cache(model, DynamicCache(), encoded.input_ids, encoded.attention_mask, encoded.position_ids)
     return returned_cache(outputs)
 
 
@@ -152,8 +153,7 @@ def _first_token_states(target_model: PreTrainedModel, tokens: list[int]) -> Sou
         zeros, ones = torch.zeros_like(ids), torch.ones_like(ids)
         cache = DynamicCache()
         with torch.no_grad():
-            decoder = target_model.get_decoder()
-            decoder(input_ids=ids, position_ids=zeros, use_cache=True, **{cache_kwarg(decoder): cache})
+            read_into_cache(target_model, cache, ids, position_ids=zeros)
             states = read_source_cache(cache, target_model, ones, zeros)
         for row, token in enumerate(missing):
             store[token] = [(k[row : row + 1], v[row : row + 1]) for k, v in zip(states.keys, states.values,
@@ -255,14 +255,8 @@ def build_translated_cache(
     )
     cache, _ = fill_translated_cache(translated, target_model, head, mode, layers, source_id=source_id)
     cache.attention_mask, cache.num_context_tokens = target.attention_mask, target.input_ids.shape[1]
-    decoder = target_model.get_decoder()
-    decoder(
-        input_ids=target.input_ids[:, -native_tail:],
-        attention_mask=target.attention_mask,
-        position_ids=target.position_ids[:, -native_tail:],
-        use_cache=True,
-        **{cache_kwarg(decoder): cache},
-    )
+    read_into_cache(target_model, cache, target.input_ids[:, -native_tail:], target.attention_mask,
+                    target.position_ids[:, -native_tail:])
     return cache
 
 
@@ -338,14 +332,7 @@ def fill_translated_cache(
             cache.inject(layer_idx, *context_kv[layer_idx])
     if mode == "window":
         cache.record_context_kv = context_kv
-        decoder = target_model.get_decoder()
-        decoder(
-            input_ids=target.input_ids,
-            attention_mask=target.attention_mask,
-            position_ids=positions,
-            use_cache=True,
-            **{cache_kwarg(decoder): cache},
-        )
+        read_into_cache(target_model, cache, target.input_ids, target.attention_mask, positions)
         cache.record_context_kv = None
     return cache, context_kv
 
