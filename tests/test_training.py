@@ -90,6 +90,21 @@ def test_chunks_are_contiguous_text():
     assert words.startswith(first["context"] + first["continuation"])
 
 
+def test_recall_pairs_repeat_a_span_of_their_context():
+    plain = ContextContinuationDataset("validation", context_words=(20, 40), continuation_words=8, seed=3)
+    mixed = ContextContinuationDataset(
+        "validation", context_words=(20, 40), continuation_words=8, recall_fraction=0.5, seed=3
+    )
+    recall = [e for e in mixed.examples if e.get("recall")]
+    assert 0.3 * len(mixed) < len(recall) < 0.7 * len(mixed)
+    assert [e["context"] for e in mixed.examples] == [e["context"] for e in plain.examples]
+    for example in recall:
+        assert len(example["continuation"].split()) == 8
+        assert example["continuation"].strip() in example["context"]
+    with pytest.raises(ValueError, match="recall_fraction"):
+        ContextContinuationDataset("validation", recall_fraction=1.5)
+
+
 # Training script runs in subprocesses, on tiny models saved to disk.
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,19 @@ def cut_chunks(
         start = end
 
 
+def as_recall_pair(chunk: dict, rng: random.Random) -> dict:
+    """The same context, with a continuation that repeats a span of it (as long as the original continuation).
+
+    Trained with the KL term, such pairs ask the translated cache to support what the target does natively when
+    text repeats (find the earlier occurrence and copy on), which is what extractive QA and fact retrieval need and
+    what ordinary continuations seldom exercise.
+    """
+    context = chunk["context"].split()
+    length = min(len(chunk["continuation"].split()), len(context))
+    start = rng.randint(0, len(context) - length)
+    return {**chunk, "continuation": " " + " ".join(context[start : start + length]), "recall": True}
+
+
 class ContextContinuationDataset(Dataset):
     """Pairs from the offline corpus, one split of it.
 
@@ -50,7 +63,9 @@ class ContextContinuationDataset(Dataset):
         continuation_words (`int`): continuation length in words.
         validation_percent (`int`): share of documents held out.
         max_chunks (`int`, *optional*): keep this many pairs (a seeded sample), all if `None`.
-        seed (`int`): seed of the context lengths and the sample.
+        recall_fraction (`float`): share of pairs (seeded) whose continuation repeats a span of their context
+            (see `as_recall_pair`); 0 for plain continuations only.
+        seed (`int`): seed of the context lengths, the sample and the recall pairs.
     """
 
     def __init__(
@@ -61,12 +76,15 @@ class ContextContinuationDataset(Dataset):
         continuation_words: int = 24,
         validation_percent: int = 5,
         max_chunks: int | None = None,
+        recall_fraction: float = 0.0,
         seed: int = 0,
     ):
         if split not in ("train", "validation"):
             raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}.")
         if not 1 <= context_words[0] <= context_words[1]:
             raise ValueError(f"`context_words` must be (min, max) with 1 <= min <= max, got {context_words}.")
+        if not 0.0 <= recall_fraction <= 1.0:
+            raise ValueError(f"`recall_fraction` must be between 0 and 1, got {recall_fraction}.")
         rng = random.Random(seed)
         self.examples = []
         for corpus, documents in sorted(training_documents().items()):
@@ -77,6 +95,11 @@ class ContextContinuationDataset(Dataset):
                     self.examples.append({**chunk, "corpus": corpus})
         if max_chunks is not None and max_chunks < len(self.examples):
             self.examples = random.Random(seed + 1).sample(self.examples, max_chunks)
+        if recall_fraction:
+            recall_rng = random.Random(seed + 2)
+            self.examples = [
+                as_recall_pair(e, recall_rng) if recall_rng.random() < recall_fraction else e for e in self.examples
+            ]
 
     def __len__(self) -> int:
         return len(self.examples)
