@@ -34,11 +34,10 @@ import torch
 from transformers import DynamicCache
 
 from hf_mot import MoTConfig, MoTTranslator, load_model
-from hf_mot._compat import cache_kwarg
 from hf_mot.data import long_text
 from hf_mot.evaluation.cost import PeakRSS
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
-from hf_mot.pipeline import align_contexts, build_translated_cache, encode_contexts, prefill_source
+from hf_mot.pipeline import align_contexts, build_translated_cache, encode_contexts, prefill_source, read_into_cache
 
 # The config fields that decide a translator's size and work (the cost does not depend on its weights).
 SHAPE_FIELDS = ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "architecture",
@@ -132,7 +131,7 @@ def main() -> None:
         def native_prefill(target_enc=target_enc):
             with torch.no_grad():
                 cache = DynamicCache(config=target.config)
-                target.get_decoder()(input_ids=target_enc.input_ids, use_cache=True, **{cache_kwarg(target): cache})
+                read_into_cache(target, cache, target_enc.input_ids)
 
         def source_prefill(source_enc=source_enc):
             with torch.no_grad():

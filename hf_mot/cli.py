@@ -57,7 +57,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     from . import translate_context
     from ._compat import cache_kwarg
-    from .pipeline import encode_contexts, prefill_source
+    from .pipeline import encode_contexts, prefill_source, read_into_cache
 
     context = _read_context(args)
     torch.manual_seed(args.seed)
@@ -78,7 +78,7 @@ def _generate(args: argparse.Namespace) -> None:
         with torch.no_grad():
             native = DynamicCache(config=target.config)
             target_ids = encode_contexts(target_tok, [context]).input_ids
-            target.get_decoder()(input_ids=target_ids, use_cache=True, **{cache_kwarg(target): native})
+            read_into_cache(target, native, target_ids)
 
     # Each is run once untimed first: first calls pay one-off costs (kernel selection, allocations).
     translate_s, cache = _timed(translate)

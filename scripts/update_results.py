@@ -29,12 +29,17 @@ RUNS = [
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
+def load_result(name: str) -> dict | None:
+    """A benchmark's JSON in `benchmarks/results/`, or `None` if that benchmark has not been run."""
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def ablations() -> list[str]:
     """The equal-budget ablation table: it needs the ablation training runs, so `--run` does not redo it."""
-    path = RESULTS / "ablations.json"
-    if not path.exists():
+    report = load_result("ablations.json")
+    if report is None:
         return []
-    report = json.loads(path.read_text())
     return [
         "### Ablations and baselines (LM fidelity on held-out text)",
         "",
@@ -62,10 +67,9 @@ def first_token_caveat(report: dict) -> list[str]:
 
 
 def fidelity() -> list[str]:
-    path = RESULTS / "lm_fidelity.json"
-    if not path.exists():
+    report = load_result("lm_fidelity.json")
+    if report is None:
         return []
-    report = json.loads(path.read_text())
     return [
         "### Language-modelling fidelity on held-out text",
         "",
@@ -82,10 +86,9 @@ def fidelity() -> list[str]:
 
 
 def cost() -> list[str]:
-    path = RESULTS / "translation_cost.json"
-    if not path.exists():
+    report = load_result("translation_cost.json")
+    if report is None:
         return []
-    report = json.loads(path.read_text())
     return [
         "### Cost of translation against re-prefill",
         "",
@@ -100,10 +103,9 @@ def cost() -> list[str]:
 
 def failure_modes() -> list[str]:
     """The failure-mode table: it compares ablation training runs, so `--run` does not redo it either."""
-    path = RESULTS / "failure_modes.json"
-    if not path.exists():
+    report = load_result("failure_modes.json")
+    if report is None:
         return []
-    report = json.loads(path.read_text())
     return [
         "### The two failure modes, with and without the Context Correction Loss",
         "",

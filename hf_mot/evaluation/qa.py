@@ -18,7 +18,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from .._compat import cache_kwarg
 from ..modeling_mot import MoTTranslator
-from ..pipeline import encode_contexts, prefill_source, translate_context
+from ..pipeline import encode_contexts, prefill_source, read_into_cache, translate_context
 from .metrics import choice_correct, exact_match, token_f1
 from .tasks import QAExample
 
@@ -27,10 +27,7 @@ def native_cache(target_model: PreTrainedModel, target_tokenizer: PreTrainedToke
     """The target's own cache of `context` (the re-prefill that translation replaces), and its mask."""
     encoded = encode_contexts(target_tokenizer, [context], target_model.device)
     cache = DynamicCache(config=target_model.config)
-    target_model.get_decoder()(
-        input_ids=encoded.input_ids, attention_mask=encoded.attention_mask, use_cache=True,
-        **{cache_kwarg(target_model): cache},
-    )
+    read_into_cache(target_model, cache, encoded.input_ids, encoded.attention_mask)
     return cache, encoded.attention_mask
 
 

@@ -22,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .._compat import cache_kwarg
 from ..kv import positions_from_mask, read_source_cache
 from ..modeling_mot import MoTTranslator
-from ..pipeline import EncodedContext, fill_translated_cache, run_translator
+from ..pipeline import EncodedContext, fill_translated_cache, read_into_cache, run_translator
 
 
 @dataclass
@@ -62,12 +62,8 @@ def _continue(model: PreTrainedModel, cache, context_mask: torch.Tensor, batch: 
 def native_context_kv(target_model: PreTrainedModel, batch: dict) -> tuple[DynamicCache, list]:
     # A config-less DynamicCache keeps every token of sliding-window layers, for the per-layer comparison.
     cache = DynamicCache()
-    decoder = target_model.get_decoder()
-    decoder(
-        input_ids=batch["target_input_ids"], attention_mask=batch["target_attention_mask"],
-        position_ids=positions_from_mask(batch["target_attention_mask"]), use_cache=True,
-        **{cache_kwarg(decoder): cache},
-    )
+    mask = batch["target_attention_mask"]
+    read_into_cache(target_model, cache, batch["target_input_ids"], mask, positions_from_mask(mask))
     return cache, [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -101,11 +97,9 @@ def context_correction_loss(
     target_model.requires_grad_(False)
     source_mask, target_mask = batch["source_attention_mask"], batch["target_attention_mask"]
     with torch.no_grad():
-        decoder = source_model.get_decoder()
         source_cache = DynamicCache()
-        decoder(
-            input_ids=batch["source_input_ids"], attention_mask=source_mask,
-            position_ids=positions_from_mask(source_mask), use_cache=True, **{cache_kwarg(decoder): source_cache},
+        read_into_cache(
+            source_model, source_cache, batch["source_input_ids"], source_mask, positions_from_mask(source_mask)
         )
         source = read_source_cache(source_cache, source_model, source_mask, positions_from_mask(source_mask))
         native_cache, native_kv = native_context_kv(target_model, batch)
