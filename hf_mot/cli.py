@@ -141,7 +141,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     report = run_evaluation(
         translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
         target_tokenizer=target_tok, tasks=tuple(args.tasks), limit=args.limit, lengths=tuple(args.lengths),
-        window=None if args.no_window else tuple(args.window), seed=args.seed,
+        window=None if args.no_window else tuple(args.window), native_tail=args.native_tail, seed=args.seed,
     )
     models = {"source": args.source, "target": args.target, "translator": translator_name}
     paths = write_report(report, args.output_dir, "hf-mot " + " ".join(sys.argv[1:]), models)
@@ -240,7 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="long-context lengths in target tokens")
     evaluate.add_argument("--window", type=int, nargs=2, default=[0, 6], metavar=("START", "COUNT"),
                           help="translated layers injected in window mode")
-    evaluate.add_argument("--no-window", action="store_true", help="full mode only")
+    evaluate.add_argument("--no-window", action="store_true", help="no window-mode condition")
+    evaluate.add_argument(
+        "--native-tail", type=int, default=0, metavar="K",
+        help="add a full-mode condition in which the target reads the last K context tokens itself (default 0: none)",
+    )
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--output-dir", default="results/evaluation", help="where the report goes")
     evaluate.set_defaults(func=_evaluate)

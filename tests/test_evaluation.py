@@ -76,14 +76,15 @@ def test_harness_end_to_end_with_the_identity_oracle(tmp_path):
     report = run_evaluation(
         translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
         target_tokenizer=tokenizer, tasks=("boolq", "synthetic", "long_context", "reuse"), limit=8,
-        lengths=(96, 192), window=(0, 1), progress=False,
+        lengths=(96, 192), window=(0, 1), native_tail=4, progress=False,
     )
+    assert report["conditions"] == ["full", "window", "full+tail4"]
     results = report["results"]
     for task in ("boolq", "synthetic", "long_context"):
         rows = results[task]["rows"]
         assert rows
         for row in rows:
-            for condition in ("full", "window"):
+            for condition in report["conditions"]:
                 assert row[condition]["score"] == row["native"]["score"]
                 assert row[condition].get("prediction") == row["native"].get("prediction")
                 if "log_probs" in row["native"]:
@@ -98,6 +99,6 @@ def test_harness_end_to_end_with_the_identity_oracle(tmp_path):
     assert written["results"]["boolq"]["summary"]["examples"] == 8
     assert set(written["splits"]) == {"boolq", "synthetic", "long_context", "reuse"}
     table = paths["markdown"].read_text()
-    assert "| boolq | accuracy | 8 |" in table and "retention (full)" in table and "Multi-agent reuse" in table
+    assert "| boolq | accuracy | 8 |" in table and "retention (full+tail4)" in table and "Multi-agent reuse" in table
     assert paths["plot"].stat().st_size > 0
     assert markdown_report(report) in table

@@ -40,6 +40,7 @@ def run_evaluation(
     limit: int = 50,
     lengths: tuple[int, ...] = (512, 1024, 2048, 4096),
     window: tuple[int, int] | None = (0, 6),
+    native_tail: int = 0,
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
@@ -47,7 +48,9 @@ def run_evaluation(
 
     `limit` caps the examples of each QA task (and documents of `reuse`, pairs per length of `fidelity`);
     `lengths` are the long-context lengths in target tokens; `window` `(start, count)` adds a `window`-mode
-    condition injecting those translated layers (None: `full` mode only).
+    condition injecting those translated layers (None: `full` mode only); `native_tail` k > 0 adds a
+    `full+tail{k}` condition in which the target reads the last k context tokens itself (the multi-agent reuse
+    task keeps to its three ways).
     """
     unknown = set(tasks) - set(TASKS)
     if unknown:
@@ -57,6 +60,8 @@ def run_evaluation(
     conditions = {"full": {"injection_mode": "full"}}
     if window is not None:
         conditions["window"] = {"injection_mode": "window", "injection_window": tuple(window)}
+    if native_tail:
+        conditions[f"full+tail{native_tail}"] = {"injection_mode": "full", "native_tail": native_tail}
     results = {}
     for task in tasks:
         if task == "reuse":
@@ -88,7 +93,7 @@ def run_evaluation(
                 for length in lengths
             }
         results[task] = {"rows": rows, "summary": summary}
-    return {"conditions": list(conditions), "window": window, "results": results}
+    return {"conditions": list(conditions), "window": window, "native_tail": native_tail, "results": results}
 
 
 def markdown_report(report: dict) -> str:
