@@ -49,21 +49,11 @@ def ablations() -> list[str]:
         f"{report['window'][0]}-{sum(report['window']) - 1}; the last column is the KL right after the context, "
         "where last-state shift shows.",
         "",
-        *first_token_caveat(report),
         report["table"],
         "",
         "![ablations](benchmarks/results/ablations.png)",
         "",
     ]
-
-
-def first_token_caveat(report: dict) -> list[str]:
-    """A line saying so when a table was measured before the target computed each context's first token."""
-    if report.get("first_token") == "target":
-        return []
-    return ["Measured before the target computed each context's first token itself (hf_mot 0.2): every translator "
-            "here would score higher now. The rows compare translators under one pipeline; rerun the command to "
-            "update them.", ""]
 
 
 def fidelity() -> list[str]:
@@ -114,7 +104,6 @@ def failure_modes() -> list[str]:
         "against the error it grows to at the top layer); the last column is the KL right after the context "
         "in `full` mode (last-state shift).",
         "",
-        *first_token_caveat(report),
         report["table"],
         "",
         "![failure modes](benchmarks/results/failure_modes.png)",
