@@ -17,17 +17,14 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from hf_mot import MoTTranslator, load_model
 from hf_mot.evaluation.fidelity import evaluate_fidelity, heldout_examples, summarize
+from hf_mot.evaluation.report import machine_info, write_json_atomically
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
 from hf_mot.pipeline import align_contexts, encode_contexts, fill_translated_cache, prefill_source, run_translator
 from hf_mot.training.losses import native_context_kv
@@ -110,14 +107,11 @@ def main() -> None:
         # Each context's first token comes from the target itself (`pipeline.native_first_token`) since hf_mot
         # 0.2; tables without this field were measured before, with it translated.
         "first_token": "target",
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "machine": machine_info(),
         "data": f"validation split of hf_mot.training.data, {args.examples} contexts of {args.length} target tokens",
         "results": results, "table": table,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=args.output.parent, delete=False, suffix=".tmp") as f:
-        json.dump(report, f, indent=2)
-    os.replace(f.name, args.output)
+    write_json_atomically(args.output, report)
     plot(results, args, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 

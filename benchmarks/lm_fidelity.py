@@ -13,11 +13,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +21,7 @@ import torch
 
 from hf_mot import MoTConfig, MoTTranslator, load_model
 from hf_mot.evaluation.fidelity import evaluate_fidelity, heldout_examples, summarize
+from hf_mot.evaluation.report import machine_info, write_json_atomically
 
 
 def main() -> None:
@@ -136,8 +133,7 @@ def main() -> None:
         # Each context's first token comes from the target itself (`pipeline.native_first_token`) since hf_mot
         # 0.2; tables without this field were measured before, with it translated.
         "first_token": "target",
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": machine_info(),
         "source": args.source, "target": args.target,
         "data": "validation split of hf_mot.training.data (5% of documents by hash; never trained on); "
                 f"{args.per_length} pairs per context length, {args.continuation_tokens}-token continuations",
@@ -145,10 +141,7 @@ def main() -> None:
         "tail_only": {"tokens": args.native_tail, "overall": tail_overall, "by_length": tail_by_length}
         if args.native_tail else None,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=args.output.parent, delete=False, suffix=".tmp") as f:
-        json.dump(report, f, indent=2)
-    os.replace(f.name, args.output)
+    write_json_atomically(args.output, report)
     plot(results, args.output.with_suffix(".png"), tail_by_length, args.native_tail)
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 

