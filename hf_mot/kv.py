@@ -242,7 +242,7 @@ def read_source_cache(
         )
     if position_ids is None:
         position_ids = positions_from_mask(attention_mask)
-    keys, values = [], []
+    keys, values, finite = [], [], []
     for layer_idx, (k, v, seen) in enumerate(layers):
         if k.shape[1] != layout.num_kv_heads or k.shape[-1] != layout.head_dim:
             raise ValueError(
@@ -271,11 +271,7 @@ def read_source_cache(
                 f"`source_cache` holds {k.dtype} tensors but `source_model` runs in {model.dtype}: pass the cache "
                 f"that `source_model` produced as it is now, or cast the model with `.to({k.dtype})`."
             )
-        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
-            raise ValueError(
-                f"`source_cache` layer {layer_idx} contains NaN or Inf: the source forward pass overflowed. "
-                "Run the source model in float32 or bfloat16 instead of float16."
-            )
+        finite.append(torch.isfinite(k).all() & torch.isfinite(v).all())
         cos_sin = rotary_cos_sin(model, layer_idx, position_ids, k)
         if cos_sin is not None:
             k = undo_rope(k, *cos_sin)
@@ -284,6 +280,14 @@ def read_source_cache(
             k = _unscale(k, scale)
         keys.append(k)
         values.append(v)
+    # One check for all layers: a check per layer would make the CPU wait for the GPU at every layer.
+    finite = torch.stack(finite)
+    if not finite.all():
+        layer_idx = int((~finite).nonzero()[0])
+        raise ValueError(
+            f"`source_cache` layer {layer_idx} contains NaN or Inf: the source forward pass overflowed. "
+            "Run the source model in float32 or bfloat16 instead of float16."
+        )
     return SourceKV(keys=keys, values=values, attention_mask=attention_mask)
 
 

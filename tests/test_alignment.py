@@ -115,6 +115,13 @@ def test_weights_follow_overlap_length():
     assert rows == [[(0, 2 / 3), (1, 1 / 3)]]
 
 
+def test_source_tokens_whose_ends_go_back_still_align():
+    # Source token 2 lies inside token 1, so the ends go back (10, then 6). A bisect over the ends would skip
+    # token 1 for the target token over 7-9 and fall back to a neighbour that does not overlap it.
+    rows = align_spans([(0, 3), (3, 10), (4, 6), (10, 12)], [(7, 9), (2, 5)], [False] * 4, [False] * 2)
+    assert rows == [[(1, 1.0)], [(0, 0.25), (1, 0.5), (2, 0.25)]]
+
+
 def test_build_alignment_left_pads():
     rows = [[[(0, 1.0)], [(1, 1.0)]], [[(0, 1.0)]]]
     alignment = build_alignment(rows, num_source_tokens=[2, 1], num_target_tokens=[2, 1])
