@@ -88,6 +88,23 @@ def cost() -> list[str]:
         report["table"],
         "",
         "![cost](benchmarks/results/translation_cost.png)",
+        *gpu_cost(),
+    ]
+
+
+def gpu_cost() -> list[str]:
+    """One line on the GPU measurement, which cannot be rerun here (see benchmarks/results/h200/README.md)."""
+    report = load_result("h200/translation_cost_h200_bfloat16.json")
+    if report is None:
+        return []
+    longest = report["rows"][-1]
+    full, prefill = longest["translate_full"]["median_s"], longest["native_target_prefill"]["median_s"]
+    return [
+        "",
+        f"On one {report['machine']['gpu']} (bfloat16, the same architectures with random weights) translation is "
+        f"slower than prefill: at {longest['target_tokens']:,} tokens full mode takes {1000 * full:.0f} ms against "
+        f"{1000 * prefill:.0f} ms for the target's prefill. Both are bound by kernel-launch overhead there; see "
+        "[the H200 notes](benchmarks/results/h200/README.md).",
     ]
 
 
