@@ -220,11 +220,11 @@ def main() -> None:
         "rows": rows, "table": table,
     }
     write_json_atomically(args.output, report)
-    plot(rows, args.output.with_suffix(".png"), f"{device.type}, {args.dtype}")
+    plot(rows, args.output.with_suffix(".png"), f"{device.type}, {args.dtype}", gpu=device.type == "cuda")
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 
 
-def plot(rows: list[dict], path: Path, where: str) -> None:
+def plot(rows: list[dict], path: Path, where: str, gpu: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,7 +236,7 @@ def plot(rows: list[dict], path: Path, where: str) -> None:
         axes[0].plot(tokens, [r[name]["median_s"] for r in rows], marker="o", label=LABELS[name])
         axes[1].plot(tokens, [r[name]["peak_added_mb"] for r in rows], marker="o", label=LABELS[name])
     axes[0].set_ylabel("seconds (median) to give the target its context")
-    axes[1].set_ylabel("peak added memory (MB)" if where.startswith("cpu") else "peak added GPU memory (MB)")
+    axes[1].set_ylabel("peak added GPU memory (MB)" if gpu else "peak added memory (MB)")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (target tokens)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -300,6 +301,13 @@ def write_text_atomically(path: str, text: str) -> None:
     os.umask(umask)
     os.chmod(tmp.name, 0o666 & ~umask)  # temporary files are private; the card is not
     os.replace(tmp.name, path)
+
+
+def write_json_atomically(path: str | os.PathLike, report: dict) -> None:
+    """Write `report` as indented JSON through a temporary file, creating the folder; a killed run leaves the
+    previous file whole."""
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    write_text_atomically(os.fspath(path), json.dumps(report, indent=2, default=float))
 
 
 def _upload_folder(folder: str, repo_id: str, *, token=None, private=None, revision=None, commit_message=None):

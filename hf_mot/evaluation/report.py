@@ -3,7 +3,6 @@ markdown table and plots."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling_mot import write_text_atomically
+from ..modeling_mot import write_json_atomically, write_text_atomically
 from .fidelity import evaluate_fidelity, heldout_examples, summarize
 from .qa import evaluate_qa, summarize_qa
 from .reuse import WAYS, multi_agent_reuse, summarize_reuse
@@ -34,13 +33,6 @@ def machine_info(threads: int | None = None) -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__}
-
-
-def write_json_atomically(path: str | Path, report: dict) -> None:
-    """Write `report` as indented JSON through a temporary file, creating the folder; a killed run leaves the
-    previous file whole."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(str(path), json.dumps(report, indent=2, default=float))
 
 
 TASKS = ("boolq", "quac", "synthetic", "long_context", "reuse", "fidelity")

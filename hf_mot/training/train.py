@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -21,7 +20,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..configuration_mot import MoTConfig
-from ..modeling_mot import MoTTranslator
+from ..modeling_mot import MoTTranslator, write_json_atomically
 from ..models import load_model
 from .data import ContextContinuationDataset, MoTDataCollator
 from .trainer import MoTTrainer, MoTTrainingArguments
@@ -108,10 +107,7 @@ def record_command(args: argparse.Namespace, argv: list[str]) -> None:
     if args.init_from and os.path.isfile(os.path.join(args.init_from, RECORD)):
         with open(os.path.join(args.init_from, RECORD), encoding="utf-8") as f:
             record["init_from_record"] = json.load(f)
-    os.makedirs(args.output_dir, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=args.output_dir, delete=False, suffix=".tmp") as f:
-        json.dump(record, f, indent=2)
-    os.replace(f.name, os.path.join(args.output_dir, RECORD))
+    write_json_atomically(os.path.join(args.output_dir, RECORD), record)
 
 
 def main(argv: list[str] | None = None) -> MoTTrainer:
