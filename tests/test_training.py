@@ -134,8 +134,9 @@ def _run(args, env=None, **kwargs):
 def test_kill_and_resume_gives_the_weights_of_an_uninterrupted_run(tiny_dirs, tmp_path):
     script = [sys.executable, "-m", "hf_mot.training.train"]
     steps = 30
-    straight = _run(script + _script_args(tiny_dirs, tmp_path / "straight", steps))
+    straight = _run(script + _script_args(tiny_dirs, tmp_path / "straight", steps) + ["--keep-checkpoints", "0"])
     assert straight.returncode == 0, straight.stderr[-3000:]
+    assert len(list((tmp_path / "straight").glob("checkpoint-*"))) == steps // 2
 
     # SIGKILL (no clean-up possible) once the second checkpoint is complete, well before the last step.
     killed_dir = tmp_path / "killed"
@@ -156,6 +157,8 @@ def test_kill_and_resume_gives_the_weights_of_an_uninterrupted_run(tiny_dirs, tm
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-6), name
     assert (killed_dir / "loss_curve.png").is_file()
+    kept = sorted(p.name for p in killed_dir.glob("checkpoint-*"))
+    assert kept == [f"checkpoint-{steps - 2}", f"checkpoint-{steps}"]
 
 
 def test_accelerate_two_processes(tiny_dirs, tmp_path):

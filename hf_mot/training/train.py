@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--learning-rate", type=float, default=1e-3)
     run.add_argument("--warmup-steps", type=int, default=50)
     run.add_argument("--save-steps", type=int, default=100)
+    run.add_argument("--keep-checkpoints", type=int, default=2,
+                     help="newest checkpoints kept (0: keep every one, e.g. to pick one on a downstream task later)")
     run.add_argument("--logging-steps", type=int, default=10)
     run.add_argument("--time-budget-minutes", type=float, default=None, help="stop and save after this long")
     run.add_argument("--bf16", action="store_true", help="bf16 autocast: for GPUs and CPUs with fast bf16 matmuls "
@@ -112,7 +114,10 @@ def record_command(args: argparse.Namespace, argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> MoTTrainer:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.keep_checkpoints < 0:
+        parser.error(f"--keep-checkpoints must be 0 (keep every checkpoint) or more, got {args.keep_checkpoints}.")
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
     if args.init_from:
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     training_args = MoTTrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
-        weight_decay=0.0, max_grad_norm=1.0, save_steps=args.save_steps, save_total_limit=2,
+        weight_decay=0.0, max_grad_norm=1.0, save_steps=args.save_steps,
+        save_total_limit=args.keep_checkpoints or None,
         logging_steps=args.logging_steps, seed=args.seed, data_seed=args.seed, bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         nll_weight=args.nll_weight, kv_weight=args.kv_weight, kl_weight=args.kl_weight,
