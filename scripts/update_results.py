@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SHIPPED = "hf-mot/smollm2-135m-to-gemma3-270m"
 RUNS = [
-    [sys.executable, "benchmarks/lm_fidelity.py", "--translator", f"shipped={SHIPPED}", "--lengths", "64", "128",
-     "256", "512", "--per-length", "50"],
+    [sys.executable, "benchmarks/lm_fidelity.py", "--translator", f"shipped={SHIPPED}", "--native-tail", "16",
+     "--lengths", "64", "128", "256", "512", "--per-length", "50"],
     [sys.executable, "benchmarks/translation_cost.py", "--lengths", "256", "1024", "2048", "4096", "--trials", "3"],
-    [sys.executable, "-m", "hf_mot.cli", "evaluate", "--translator", SHIPPED, "--limit", "24",
-     "--output-dir", "benchmarks/results/evaluation"],
+    [sys.executable, "-m", "hf_mot.cli", "evaluate", "--translator", SHIPPED, "--limit", "12", "--lengths", "512",
+     "1024", "2048", "4096", "--native-tail", "16", "--output-dir", "benchmarks/results/evaluation"],
 ]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
