@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
@@ -232,6 +233,49 @@ class KVMixture(nn.Module):
         probability = logits.float().softmax(dim=-1).mean(dim=0)
         return self.num_experts * (share * probability).sum()
 
+@torch.no_grad()
+def widen_mixture(narrow: KVMixture, wide: KVMixture, std: float) -> None:
+    """Copy `narrow` into `wide` (a mixture with a larger `hidden_size` and/or `expert_hidden_size`) so that
+    `wide` starts as `narrow` and its added units can learn.
+
+    The added hidden dimensions start at zero (no projection writes them) but are read by a small random
+    output projection, so their gradient is not zero; the added expert units read random weights but write
+    zero. The layer norm then averages over zeros too, so its gain is rescaled: that is exact for inputs of
+    zero mean and close otherwise (the tests bound the change).
+    """
+    d, h = narrow.expert_in.shape[1:]
+    width, hidden = wide.expert_in.shape[1:]
+    if width < d or hidden < h or wide.num_experts != narrow.num_experts or wide.produced != narrow.produced:
+        raise ValueError(
+            f"Can only widen a mixture (hidden {d} -> {width}, experts {h} -> {hidden}, same number of experts "
+            "and produced layers)."
+        )
+    for param in wide.parameters():
+        param.zero_()
+    wide.in_proj.weight[:d] = narrow.in_proj.weight
+    wide.in_proj.bias[:d] = narrow.in_proj.bias
+    wide.norm.weight[:d] = narrow.norm.weight * (d / width) ** 0.5
+    wide.norm.weight[d:] = 1.0
+    wide.norm.bias[:d] = narrow.norm.bias
+    wide.router.weight[:, :d] = narrow.router.weight
+    wide.expert_in[:, :d, :h] = narrow.expert_in
+    wide.expert_in[:, :, h:].normal_(std=std)
+    wide.expert_in_bias[:, :h] = narrow.expert_in_bias
+    wide.expert_out[:, :h, :d] = narrow.expert_out
+    wide.expert_out_bias[:, :d] = narrow.expert_out_bias
+    wide.out_proj.weight[:, :d] = narrow.out_proj.weight
+    wide.out_proj.weight[:, d:].normal_(std=0.1 * width**-0.5)
+    wide.out_proj.bias.copy_(narrow.out_proj.bias)
+    if narrow.target_tokens is not None:
+        reader, wide_reader = narrow.target_tokens, wide.target_tokens
+        wide_reader.norm_weight.copy_(reader.norm_weight)
+        wide_reader.norm_bias.copy_(reader.norm_bias)
+        wide_reader.proj_weight[:d] = reader.proj_weight
+        wide_reader.proj_bias[:d] = reader.proj_bias
+    if narrow.depth_matched is not None:
+        wide.depth_matched.load_state_dict(narrow.depth_matched.state_dict())
+
+
 class PerLayerProjector(nn.Module):
     """Baseline in the style of Cache-to-Cache: for each target layer, one MLP over the concatenated keys and
     values of one source layer (picked by relative depth). No router, no mixture, no cross-layer reading.
@@ -457,6 +501,19 @@ class MoTTranslator(PreTrainedModel):
             self.save_pretrained(folder, model_card=model_card, repo_id=repo_id)
             return _upload_folder(folder, repo_id, token=token, private=private, revision=revision,
                                   commit_message=commit_message or "Upload MoT translator")
+
+    def widened(self, hidden_size: int | None = None, expert_hidden_size: int | None = None) -> MoTTranslator:
+        """A copy of this mixture translator with a larger `hidden_size` and/or `expert_hidden_size` that starts
+        as this one (see [`widen_mixture`]): more capacity without starting training over."""
+        if self.config.architecture != "mixture":
+            raise ValueError("Only mixture translators can be widened, not the per-layer baseline.")
+        config = copy.deepcopy(self.config)
+        config.hidden_size = hidden_size or config.hidden_size
+        config.expert_hidden_size = expert_hidden_size or config.expert_hidden_size
+        wide = MoTTranslator(config).to(self.dtype)
+        for name in ("key_mixture", "value_mixture"):
+            widen_mixture(getattr(self, name), getattr(wide, name), config.initializer_range)
+        return wide
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):

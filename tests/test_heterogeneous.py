@@ -257,6 +257,45 @@ def test_added_paths_start_as_the_translator_they_extend(tmp_path):
     assert not torch.allclose(changed_again.layers[1].values, changed.layers[1].values)
 
 
+def test_widened_translator_starts_as_the_one_it_widens():
+    """`MoTTranslator.widened` (`hf-mot train --init-from ... --hidden-size/--expert-hidden-size`) adds hidden
+    dimensions and expert units: the wider translator must start as the narrow one, and the added parts must
+    receive gradients (a block of zeros on both sides of a product would never learn)."""
+    source, target, tok = tiny_model("llama"), tiny_model("gemma3"), char_tokenizer()
+    config = MoTConfig.from_models(source.config, target.config, hidden_size=16, expert_hidden_size=8,
+                                   depth_matched_layers=1)
+    torch.manual_seed(0)
+    narrow = MoTTranslator(config).eval()
+    with torch.no_grad():  # trained-looking experts: a fresh expert writes almost nothing
+        for mixture in (narrow.key_mixture, narrow.value_mixture):
+            mixture.expert_out.normal_(std=0.3)
+    wide = narrow.widened(hidden_size=24, expert_hidden_size=12).eval()
+    assert (wide.config.hidden_size, wide.config.expert_hidden_size) == (24, 12)
+    assert wide.key_mixture.expert_in.shape == (config.num_experts, 24, 12)
+    before, after = _translate(narrow, source, target, tok), _translate(wide, source, target, tok)
+    for a, b in zip(before.layers, after.layers, strict=True):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            assert (x - y).norm() < 0.05 * x.norm()  # only the layer norm's mean moves (0.07% on the shipped one)
+    assert not all(torch.equal(a.keys, b.keys) for a, b in zip(before.layers, after.layers, strict=True))
+
+    from hf_mot.kv import read_source_cache
+    from hf_mot.pipeline import align_contexts, encode_contexts, prefill_source
+
+    encoded = encode_contexts(tok, [CONTEXTS[0]])
+    source_kv = read_source_cache(prefill_source(source, encoded), source, encoded.attention_mask)
+    embeddings = target.get_input_embeddings()(encoded.input_ids)
+    out = wide.train()(source_kv.keys, source_kv.values, align_contexts(encoded, encoded),
+                       target_embeddings=embeddings)
+    sum(k.square().sum() + v.square().sum() for k, v in zip(out.keys, out.values, strict=True)).backward()
+    mixture = wide.value_mixture
+    grad = mixture.in_proj.weight.grad.abs()
+    # Added hidden dimensions learn at the pace of the old ones (through the layer norm alone: 0.2% of it).
+    assert grad[16:].mean() > 0.1 * grad[:16].mean()
+    assert mixture.expert_out.grad[:, 8:].abs().sum() > 0  # added expert units
+    with pytest.raises(ValueError, match="widen"):
+        wide.widened(hidden_size=16)
+
+
 def test_depth_matched_source_layers():
     from hf_mot.modeling_mot import depth_matched_source_layers
 

@@ -161,6 +161,22 @@ def test_kill_and_resume_gives_the_weights_of_an_uninterrupted_run(tiny_dirs, tm
     assert kept == [f"checkpoint-{steps - 2}", f"checkpoint-{steps}"]
 
 
+def test_init_from_widens_and_refuses_to_narrow(tiny_dirs, tmp_path):
+    script = [sys.executable, "-m", "hf_mot.training.train"]
+    first = _run(script + _script_args(tiny_dirs, tmp_path / "narrow", 1, save_steps=1))
+    assert first.returncode == 0, first.stderr[-3000:]
+    args = _script_args(tiny_dirs, tmp_path / "wide", 1, save_steps=1)
+    args[args.index("--hidden-size") + 1] = "24"
+    wide = _run(script + args + ["--init-from", str(tmp_path / "narrow")])
+    assert wide.returncode == 0, wide.stderr[-3000:]
+    config = MoTTranslator.from_pretrained(tmp_path / "wide").config
+    assert (config.hidden_size, config.expert_hidden_size) == (24, 16)
+    args[args.index("--hidden-size") + 1] = "8"
+    narrowed = _run(script + args + ["--init-from", str(tmp_path / "narrow"), "--no-resume"])
+    assert narrowed.returncode == 2 and "widened, not narrowed" in narrowed.stderr
+    assert MoTTranslator.from_pretrained(tmp_path / "wide").config.hidden_size == 24  # nothing was written
+
+
 def test_accelerate_two_processes(tiny_dirs, tmp_path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]

@@ -48,8 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--target", required=True, help="target model: embedded name, path or repo id")
     translator = parser.add_argument_group("translator")
     translator.add_argument("--init-from", help="start from this translator (path or repo id) instead of scratch")
-    translator.add_argument("--hidden-size", type=int, default=256)
-    translator.add_argument("--expert-hidden-size", type=int, default=512)
+    translator.add_argument(
+        "--hidden-size", type=int, default=None,
+        help="width of each mixture's shared representation (default 256; with --init-from: a larger value "
+        "widens the loaded translator, which starts as it was)",
+    )
+    translator.add_argument(
+        "--expert-hidden-size", type=int, default=None,
+        help="width of each expert MLP (default 512; with --init-from: a larger value widens, as above)",
+    )
     translator.add_argument("--num-experts", type=int, default=4)
     translator.add_argument("--num-experts-per-token", type=int, default=2)
     translator.add_argument("--architecture", choices=["mixture", "per_layer"], default="mixture",
@@ -131,10 +138,19 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         if added:
             # The added paths start at zero: the new translator starts as the loaded one.
             translator = MoTTranslator.from_pretrained(args.init_from, **added)
+        sizes = {"hidden_size": args.hidden_size, "expert_hidden_size": args.expert_hidden_size}
+        for name, size in sizes.items():
+            if size is not None and size < getattr(config, name):
+                parser.error(f"--{name.replace('_', '-')} {size} is smaller than the {getattr(config, name)} of "
+                             f"{args.init_from}: a loaded translator can be widened, not narrowed.")
+        if any(size is not None and size > getattr(config, name) for name, size in sizes.items()):
+            torch.manual_seed(args.seed)
+            translator = translator.widened(**sizes)
     else:
         config = MoTConfig.from_models(
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
-            hidden_size=args.hidden_size, expert_hidden_size=args.expert_hidden_size, num_experts=args.num_experts,
+            hidden_size=args.hidden_size or 256, expert_hidden_size=args.expert_hidden_size or 512,
+            num_experts=args.num_experts,
             num_experts_per_token=args.num_experts_per_token, injection_mode=args.injection_mode,
             architecture=args.architecture, target_tokens=args.target_tokens,
             depth_matched_layers=args.depth_matched_layers if args.architecture == "mixture" else 0,
