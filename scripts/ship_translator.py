@@ -49,8 +49,11 @@ def _added_paths(folder: Path, parent: str | None) -> str:
     now, before = (json.loads((f / "config.json").read_text()) for f in (folder, Path(parent)))
     added = [name for key, name in ADDED_PATHS.items() if now.get(key) and not before.get(key)]
     text = f" This phase added {' and '.join(added)} (starting at zero)." if added else ""
-    widened = [f"{name.replace('_', ' ')} {before[name]} -> {now[name]}" for name in ("hidden_size", "expert_hidden_size")
-               if now[name] != before[name]]
+    widened = [
+        f"{name.replace('_', ' ')} {before[name]} -> {now[name]}"
+        for name in ("hidden_size", "expert_hidden_size")
+        if now[name] != before[name]
+    ]
     if widened:
         text += f" This phase widened the translator ({', '.join(widened)}), starting as the one it widened."
     return text

@@ -1,6 +1,7 @@
 """Training: the loss terms, one step, resume after a kill, two processes with accelerate."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,26 @@ def test_recall_pairs_repeat_a_span_of_their_context():
         assert example["continuation"].strip() in example["context"]
     with pytest.raises(ValueError, match="recall_fraction"):
         ContextContinuationDataset("validation", recall_fraction=1.5)
+
+
+def test_question_pairs_ask_for_the_span_after_a_cue_from_their_context():
+    options = {"context_words": (20, 40), "continuation_words": 8, "seed": 3}
+    recall_only = ContextContinuationDataset("validation", recall_fraction=0.3, **options)
+    both = ContextContinuationDataset("validation", recall_fraction=0.3, question_fraction=0.4, **options)
+    # Adding question pairs leaves the recall pairs (and every context) as they were.
+    recall = [e for e in both.examples if e.get("recall")]
+    assert recall == [e for e in recall_only.examples if e.get("recall")]
+    questions = [e for e in both.examples if e.get("question")]
+    assert 0.25 * len(both) < len(questions) < 0.55 * len(both)
+    for example in questions:
+        found = re.fullmatch(r'\n\nQuestion: In the text above, what comes after "(.+)"\?\nAnswer: (.+)',
+                             example["continuation"])
+        assert found, example["continuation"]
+        cue, answer = found.groups()
+        assert len(cue.split()) == 4 and len(answer.split()) == 8
+        assert f"{cue} {answer}" in example["context"]
+    with pytest.raises(ValueError, match="add up to at most 1"):
+        ContextContinuationDataset("validation", recall_fraction=0.6, question_fraction=0.6)
 
 
 # Training script runs in subprocesses, on tiny models saved to disk.

@@ -54,6 +54,27 @@ def as_recall_pair(chunk: dict, rng: random.Random) -> dict:
     return {**chunk, "continuation": " " + " ".join(context[start : start + length]), "recall": True}
 
 
+# How question pairs ask for a span; the evaluation's QA prompts use the same frame ("\n\nQuestion: ...\nAnswer:").
+QUESTION_TEMPLATE = '\n\nQuestion: In the text above, what comes after "{cue}"?\nAnswer: {answer}'
+
+
+def as_question_pair(chunk: dict, rng: random.Random, cue_words: int = 4) -> dict:
+    """The same context, with a continuation that asks for a span of it by the words before the span, and
+    answers with the span (as many words as the original continuation).
+
+    Recall pairs (`as_recall_pair`) only ever repeat text; a question in between is what QA and retrieval
+    prompts put between a document and its answer, so the translated keys must also be found by question
+    tokens. Contexts shorter than the cue and one answer word stay plain pairs.
+    """
+    context = chunk["context"].split()
+    length = min(len(chunk["continuation"].split()), len(context) - cue_words)
+    if length < 1:
+        return chunk
+    start = rng.randint(cue_words, len(context) - length)
+    cue, answer = " ".join(context[start - cue_words : start]), " ".join(context[start : start + length])
+    return {**chunk, "continuation": QUESTION_TEMPLATE.format(cue=cue, answer=answer), "question": True}
+
+
 class ContextContinuationDataset(Dataset):
     """Pairs from the offline corpus, one split of it.
 
@@ -65,6 +86,8 @@ class ContextContinuationDataset(Dataset):
         max_chunks (`int`, *optional*): keep this many pairs (a seeded sample), all if `None`.
         recall_fraction (`float`): share of pairs (seeded) whose continuation repeats a span of their context
             (see `as_recall_pair`); 0 for plain continuations only.
+        question_fraction (`float`): share of pairs (seeded, drawn from those not made recall pairs) whose
+            continuation asks for a span of their context and answers it (see `as_question_pair`).
         seed (`int`): seed of the context lengths, the sample and the recall pairs.
     """
 
@@ -77,14 +100,18 @@ class ContextContinuationDataset(Dataset):
         validation_percent: int = 5,
         max_chunks: int | None = None,
         recall_fraction: float = 0.0,
+        question_fraction: float = 0.0,
         seed: int = 0,
     ):
         if split not in ("train", "validation"):
             raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}.")
         if not 1 <= context_words[0] <= context_words[1]:
             raise ValueError(f"`context_words` must be (min, max) with 1 <= min <= max, got {context_words}.")
-        if not 0.0 <= recall_fraction <= 1.0:
-            raise ValueError(f"`recall_fraction` must be between 0 and 1, got {recall_fraction}.")
+        if not (0.0 <= recall_fraction and 0.0 <= question_fraction and recall_fraction + question_fraction <= 1.0):
+            raise ValueError(
+                "`recall_fraction` and `question_fraction` must be at least 0 and add up to at most 1, got "
+                f"{recall_fraction} and {question_fraction}."
+            )
         rng = random.Random(seed)
         self.examples = []
         for corpus, documents in sorted(training_documents().items()):
@@ -95,11 +122,18 @@ class ContextContinuationDataset(Dataset):
                     self.examples.append({**chunk, "corpus": corpus})
         if max_chunks is not None and max_chunks < len(self.examples):
             self.examples = random.Random(seed + 1).sample(self.examples, max_chunks)
-        if recall_fraction:
-            recall_rng = random.Random(seed + 2)
-            self.examples = [
-                as_recall_pair(e, recall_rng) if recall_rng.random() < recall_fraction else e for e in self.examples
-            ]
+        if recall_fraction or question_fraction:
+            # One draw per pair: below `recall_fraction` a recall pair, then a question pair, else plain.
+            # Question spans have their own generator, so adding them leaves the recall pairs as they were.
+            pair_rng, question_rng = random.Random(seed + 2), random.Random(seed + 3)
+            examples, self.examples = self.examples, []
+            for example in examples:
+                draw = pair_rng.random()
+                if draw < recall_fraction:
+                    example = as_recall_pair(example, pair_rng)
+                elif draw < recall_fraction + question_fraction:
+                    example = as_question_pair(example, question_rng)
+                self.examples.append(example)
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of training pairs whose continuation repeats a span of their own context (trains the "
         "translated cache for copying and retrieval; 0: plain continuations only)",
     )
+    data.add_argument(
+        "--question-fraction", type=float, default=0.0,
+        help="share of training pairs whose continuation asks for a span of their context by the words before it "
+        "and answers with it, in the QA prompts' Question:/Answer: frame (with --recall-fraction: at most 1 in all)",
+    )
     losses = parser.add_argument_group("loss weights (0 switches a term off)")
     losses.add_argument("--nll-weight", type=float, default=1.0)
     losses.add_argument("--kv-weight", type=float, default=1.0)
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         translator = MoTTranslator(config)
     train_dataset = ContextContinuationDataset(
         "train", context_words=tuple(args.context_words), continuation_words=args.continuation_words,
-        max_chunks=args.max_train_chunks, recall_fraction=args.recall_fraction, seed=args.seed,
+        max_chunks=args.max_train_chunks, recall_fraction=args.recall_fraction,
+        question_fraction=args.question_fraction, seed=args.seed,
     )
     training_args = MoTTrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
