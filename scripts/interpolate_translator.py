@@ -1,0 +1,50 @@
+"""Interpolate a fine-tuned translator with the one it started from: weights `alpha * run + (1 - alpha) * start`.
+
+When the run widened its start (`hf-mot train --init-from X --hidden-size ...`), the start is X widened again
+with the run's seed, as the training script did, so the added units interpolate toward their own
+initialisation. This gives the points between a start and a run (for example: LM fidelity against QA), as
+measured with `benchmarks/lm_fidelity.py` and `hf-mot evaluate`.
+
+    python scripts/interpolate_translator.py --start runs/lc-main --run runs/wd-main --alpha 0.5 \\
+        --output-dir runs/wdi50-main
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from hf_mot import MoTTranslator
+from hf_mot.training.train import RECORD
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--start", required=True, help="the translator the run started from (--init-from)")
+    parser.add_argument("--run", type=Path, required=True, help="the trained run's output dir")
+    parser.add_argument("--alpha", type=float, required=True, help="weight of the run (0: start, 1: run)")
+    parser.add_argument("--output-dir", required=True)
+    args = parser.parse_args()
+    if not 0.0 <= args.alpha <= 1.0:
+        parser.error(f"--alpha must be between 0 and 1, got {args.alpha}.")
+    run = MoTTranslator.from_pretrained(args.run)
+    start = MoTTranslator.from_pretrained(args.start)
+    if (start.config.hidden_size, start.config.expert_hidden_size) != (
+        run.config.hidden_size, run.config.expert_hidden_size
+    ):
+        seed = json.loads((args.run / RECORD).read_text())["args"]["seed"]
+        torch.manual_seed(seed)
+        start = start.widened(run.config.hidden_size, run.config.expert_hidden_size)
+    start_state = start.state_dict()
+    if start_state.keys() != run.state_dict().keys():
+        parser.error(f"{args.start} and {args.run} do not have the same weights; interpolate a run with its start.")
+    run.load_state_dict({k: args.alpha * v + (1 - args.alpha) * start_state[k] for k, v in run.state_dict().items()})
+    run.save_pretrained(args.output_dir)
+    print(f"wrote {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
