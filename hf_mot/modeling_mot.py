@@ -233,6 +233,7 @@ class KVMixture(nn.Module):
         probability = logits.float().softmax(dim=-1).mean(dim=0)
         return self.num_experts * (share * probability).sum()
 
+
 @torch.no_grad()
 def widen_mixture(narrow: KVMixture, wide: KVMixture, std: float) -> None:
     """Copy `narrow` into `wide` (a mixture with a larger `hidden_size` and/or `expert_hidden_size`) so that
