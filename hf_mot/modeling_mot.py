@@ -503,11 +503,16 @@ class MoTTranslator(PreTrainedModel):
             return _upload_folder(folder, repo_id, token=token, private=private, revision=revision,
                                   commit_message=commit_message or "Upload MoT translator")
 
-    def widened(self, hidden_size: int | None = None, expert_hidden_size: int | None = None) -> MoTTranslator:
+    def widened(
+        self, hidden_size: int | None = None, expert_hidden_size: int | None = None, seed: int | None = None
+    ) -> MoTTranslator:
         """A copy of this mixture translator with a larger `hidden_size` and/or `expert_hidden_size` that starts
-        as this one (see [`widen_mixture`]): more capacity without starting training over."""
+        as this one (see [`widen_mixture`]): more capacity without starting training over. `seed` seeds the
+        added units' random weights, so a training run's start can be rebuilt from its recorded seed."""
         if self.config.architecture != "mixture":
             raise ValueError("Only mixture translators can be widened, not the per-layer baseline.")
+        if seed is not None:
+            torch.manual_seed(seed)
         config = copy.deepcopy(self.config)
         config.hidden_size = hidden_size or config.hidden_size
         config.expert_hidden_size = expert_hidden_size or config.expert_hidden_size

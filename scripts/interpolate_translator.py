@@ -15,8 +15,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from hf_mot import MoTTranslator
 from hf_mot.training.train import RECORD
 
@@ -36,12 +34,11 @@ def main() -> None:
         run.config.hidden_size, run.config.expert_hidden_size
     ):
         seed = json.loads((args.run / RECORD).read_text())["args"]["seed"]
-        torch.manual_seed(seed)
-        start = start.widened(run.config.hidden_size, run.config.expert_hidden_size)
-    start_state = start.state_dict()
-    if start_state.keys() != run.state_dict().keys():
+        start = start.widened(run.config.hidden_size, run.config.expert_hidden_size, seed=seed)
+    start_state, run_state = start.state_dict(), run.state_dict()
+    if start_state.keys() != run_state.keys():
         parser.error(f"{args.start} and {args.run} do not have the same weights; interpolate a run with its start.")
-    run.load_state_dict({k: args.alpha * v + (1 - args.alpha) * start_state[k] for k, v in run.state_dict().items()})
+    run.load_state_dict({k: args.alpha * v + (1 - args.alpha) * start_state[k] for k, v in run_state.items()})
     run.save_pretrained(args.output_dir)
     print(f"wrote {args.output_dir}")
 

@@ -219,6 +219,16 @@ def test_save_and_load_round_trip(tmp_path):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+def _one_context_for_the_translator(source, tok):
+    """The first context encoded (one tokenizer on both sides), the source's position-free KV of it and the
+    alignment: the inputs of a direct `MoTTranslator` call."""
+    from hf_mot.pipeline import align_contexts, encode_contexts, prefill_source
+
+    encoded = encode_contexts(tok, [CONTEXTS[0]])
+    source_kv = read_source_cache(prefill_source(source, encoded), source, encoded.attention_mask)
+    return encoded, source_kv, align_contexts(encoded, encoded)
+
+
 def _translate(translator, source, target, tok):
     return translate_context(CONTEXTS[:2], translator=translator, source_model=source, source_tokenizer=tok,
                              target_model=target, target_tokenizer=tok)
@@ -278,14 +288,9 @@ def test_widened_translator_starts_as_the_one_it_widens():
             assert (x - y).norm() < 0.05 * x.norm()  # only the layer norm's mean moves (0.07% on the shipped one)
     assert not all(torch.equal(a.keys, b.keys) for a, b in zip(before.layers, after.layers, strict=True))
 
-    from hf_mot.kv import read_source_cache
-    from hf_mot.pipeline import align_contexts, encode_contexts, prefill_source
-
-    encoded = encode_contexts(tok, [CONTEXTS[0]])
-    source_kv = read_source_cache(prefill_source(source, encoded), source, encoded.attention_mask)
+    encoded, source_kv, alignment = _one_context_for_the_translator(source, tok)
     embeddings = target.get_input_embeddings()(encoded.input_ids)
-    out = wide.train()(source_kv.keys, source_kv.values, align_contexts(encoded, encoded),
-                       target_embeddings=embeddings)
+    out = wide.train()(source_kv.keys, source_kv.values, alignment, target_embeddings=embeddings)
     sum(k.square().sum() + v.square().sum() for k, v in zip(out.keys, out.values, strict=True)).backward()
     mixture = wide.value_mixture
     grad = mixture.in_proj.weight.grad.abs()
@@ -309,12 +314,7 @@ def test_reading_target_tokens_needs_their_embeddings():
     config = MoTConfig.from_models(source.config, target.config, hidden_size=16)
     assert config.target_embedding_size == target.config.hidden_size  # on by default
     translator = MoTTranslator(config)
-    from hf_mot.kv import read_source_cache
-    from hf_mot.pipeline import align_contexts, encode_contexts, prefill_source
-
-    encoded = encode_contexts(tok, [CONTEXTS[0]])
-    source_kv = read_source_cache(prefill_source(source, encoded), source, encoded.attention_mask)
-    alignment = align_contexts(encoded, encoded)
+    _, source_kv, alignment = _one_context_for_the_translator(source, tok)
     with pytest.raises(ValueError, match="target_embeddings="):
         translator(source_kv.keys, source_kv.values, alignment)
     wrong = torch.zeros(1, alignment.num_target_tokens - 1, target.config.hidden_size)

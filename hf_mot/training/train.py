@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
                 parser.error(f"--{name.replace('_', '-')} {size} is smaller than the {getattr(config, name)} of "
                              f"{args.init_from}: a loaded translator can be widened, not narrowed.")
         if any(size is not None and size > getattr(config, name) for name, size in sizes.items()):
-            torch.manual_seed(args.seed)
-            translator = translator.widened(**sizes)
+            translator = translator.widened(**sizes, seed=args.seed)
     else:
         config = MoTConfig.from_models(
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
