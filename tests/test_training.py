@@ -41,9 +41,10 @@ def test_every_term_is_finite_and_reaches_only_the_translator(mode):
     translator, source, target, collate = _pair(mode)
     batch = collate(_examples())
     weights = LossWeights()
-    for term in ("nll", "kv", "kl", "balance"):
+    terms = ("nll", "kv", "kl", "balance")
+    for term in terms:
         translator.zero_grad()
-        only = LossWeights(**{name: (getattr(weights, name) if name == term else 0.0) for name in vars(weights)})
+        only = LossWeights(**{name: (getattr(weights, name) if name == term else 0.0) for name in terms})
         parts = context_correction_loss(translator, source, target, batch, only, mode)
         value = getattr(parts, term)
         assert torch.isfinite(value) and value.item() > 0, term
@@ -54,6 +55,28 @@ def test_every_term_is_finite_and_reaches_only_the_translator(mode):
             if term != "balance":  # the router's loss does not depend on the output paths
                 assert path.grad is not None and path.grad.abs().sum() > 0, f"{term} does not reach {path.shape}"
         assert all(p.grad is None for p in list(source.parameters()) + list(target.parameters())), term
+
+
+def test_kl_first_weight_counts_the_first_continuation_positions_more():
+    translator, source, target, collate = _pair()
+    kl_only = {"nll": 0.0, "kv": 0.0, "balance": 0.0}
+
+    def parts(examples, kl_first):
+        with torch.no_grad():
+            return context_correction_loss(translator, source, target, collate(examples),
+                                           LossWeights(**kl_only, kl_first=kl_first), "full")
+
+    plain, front = parts(_examples(), 1.0), parts(_examples(), 5.0)
+    assert front.kl.item() == pytest.approx(plain.kl.item())  # the logged KL stays the plain mean
+    assert plain.total.item() == pytest.approx(plain.kl.item())
+    assert plain.kl.item() < front.total.item() < 5 * plain.kl.item()
+    # Continuations of one token are all first positions: the whole KL counts 5 times.
+    single = [{"context": e["context"], "continuation": e["continuation"][0]} for e in _examples()]
+    assert collate(single)["continuation_ids"].shape[1] == 1
+    one = parts(single, 5.0)
+    assert one.total.item() == pytest.approx(5 * one.kl.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="0 \\(off\\) or more"):
+        LossWeights(kl_first=-1.0)
 
 
 @pytest.mark.parametrize("architecture", ["mixture", "per_layer"])

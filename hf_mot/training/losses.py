@@ -27,12 +27,23 @@ from ..pipeline import EncodedContext, fill_translated_cache, read_into_cache, r
 
 @dataclass
 class LossWeights:
-    """Weight of each term; 0 switches a term off (for ablations)."""
+    """Weight of each term; 0 switches a term off (for ablations).
+
+    `kl_first` shapes the KL term over the continuation: its first position counts `kl_first` times, and the
+    excess halves at each later position (1: every position counts once). Last-state shift sits there: the
+    first positions read the translated last context state most directly.
+    """
 
     nll: float = 1.0
     kv: float = 1.0
     kl: float = 1.0
     balance: float = 0.01
+    kl_first: float = 1.0
+
+    def __post_init__(self):
+        negative = {name: value for name, value in vars(self).items() if value < 0}
+        if negative:
+            raise ValueError(f"Loss weights must be 0 (off) or more, got {negative}.")
 
 
 @dataclass
@@ -126,10 +137,16 @@ def context_correction_loss(
     if weights.nll:
         labels = batch["continuation_ids"][:, 1:][continuation_mask]
         nll = F.cross_entropy(logits[:, :-1][continuation_mask].float(), labels)
-    kl = zero
+    kl = weighted_kl = zero
     if weights.kl:
         every = batch["continuation_mask"].bool()
         native_logp = native_logits[every].float().log_softmax(-1)
-        kl = F.kl_div(logits[every].float().log_softmax(-1), native_logp, log_target=True, reduction="batchmean")
-    total = weights.nll * nll + weights.kv * kv + weights.kl * kl + weights.balance * out.aux_loss
+        per_token = F.kl_div(
+            logits[every].float().log_softmax(-1), native_logp, log_target=True, reduction="none"
+        ).sum(-1)
+        position = torch.arange(every.shape[1], device=every.device).expand_as(every)[every]
+        # The logged KL stays the plain mean over tokens, comparable across runs whatever `kl_first` is.
+        kl = per_token.mean()
+        weighted_kl = ((1 + (weights.kl_first - 1) * 0.5 ** position.float()) * per_token).mean()
+    total = weights.nll * nll + weights.kv * kv + weights.kl * weighted_kl + weights.balance * out.aux_loss
     return LossParts(total=total, nll=nll, kv=kv, kl=kl, balance=out.aux_loss)

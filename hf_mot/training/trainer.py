@@ -23,6 +23,8 @@ class MoTTrainingArguments(TrainingArguments):
             against the target's native cache from the injection point up.
         kl_weight (`float`, *optional*, defaults to 1.0): Context Correction Loss, KL from the native next-token
             distributions at the continuation positions.
+        kl_first_weight (`float`, *optional*, defaults to 1.0): how many times the KL at the first continuation
+            position counts, the excess halving at each later position (last-state shift; 1: uniform).
         balance_weight (`float`, *optional*, defaults to 0.01): router load-balancing term.
         injection_mode (`str`, *optional*): train for `"full"` or `"window"` mode (defaults to the config's).
 
@@ -32,6 +34,9 @@ class MoTTrainingArguments(TrainingArguments):
     nll_weight: float = field(default=1.0, metadata={"help": "weight of the next-token loss"})
     kv_weight: float = field(default=1.0, metadata={"help": "weight of the per-layer KV correction term"})
     kl_weight: float = field(default=1.0, metadata={"help": "weight of the next-token distribution term"})
+    kl_first_weight: float = field(
+        default=1.0, metadata={"help": "times the KL at the first continuation position counts (halving excess)"}
+    )
     balance_weight: float = field(default=0.01, metadata={"help": "weight of the router load-balancing term"})
     injection_mode: str | None = field(default=None, metadata={"help": "full or window (default: config)"})
     # The batches carry an alignment object and columns the translator's forward does not name.
@@ -40,9 +45,14 @@ class MoTTrainingArguments(TrainingArguments):
     ddp_find_unused_parameters: bool | None = field(default=True)
     report_to: str | list[str] | None = field(default="none")
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.loss_weights  # noqa: B018 (validates the weights now, not at the first step)
+
     @property
     def loss_weights(self) -> LossWeights:
-        return LossWeights(nll=self.nll_weight, kv=self.kv_weight, kl=self.kl_weight, balance=self.balance_weight)
+        return LossWeights(nll=self.nll_weight, kv=self.kv_weight, kl=self.kl_weight, balance=self.balance_weight,
+                           kl_first=self.kl_first_weight)
 
 
 class LossCurveCallback(TrainerCallback):
