@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
                 parser.error(f"--{name.replace('_', '-')} {size} is smaller than the {getattr(config, name)} of "
                              f"{args.init_from}: a loaded translator can be widened, not narrowed.")
         if any(size is not None and size > getattr(config, name) for name, size in sizes.items()):
+            if config.architecture != "mixture":
+                parser.error(f"{args.init_from} is a per-layer baseline: only mixture translators can be widened "
+                             "(leave out --hidden-size/--expert-hidden-size).")
             translator = translator.widened(**sizes, seed=args.seed)
     else:
         config = MoTConfig.from_models(
