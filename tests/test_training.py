@@ -205,7 +205,7 @@ def test_kill_and_resume_gives_the_weights_of_an_uninterrupted_run(tiny_dirs, tm
     assert kept == [f"checkpoint-{steps - 2}", f"checkpoint-{steps}"]
 
 
-def test_init_from_widens_and_refuses_to_narrow(tiny_dirs, tmp_path):
+def test_init_from_widens_refuses_to_narrow_and_interpolates_back(tiny_dirs, tmp_path):
     script = [sys.executable, "-m", "hf_mot.training.train"]
     first = _run(script + _script_args(tiny_dirs, tmp_path / "narrow", 1, save_steps=1))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -219,6 +219,21 @@ def test_init_from_widens_and_refuses_to_narrow(tiny_dirs, tmp_path):
     narrowed = _run(script + args + ["--init-from", str(tmp_path / "narrow"), "--no-resume"])
     assert narrowed.returncode == 2 and "widened, not narrowed" in narrowed.stderr
     assert MoTTranslator.from_pretrained(tmp_path / "wide").config.hidden_size == 24  # nothing was written
+
+    # scripts/interpolate_translator.py rebuilds the wide run's start (the narrow one widened with the run's
+    # seed) and mixes: alpha 0 is that start, 1 the run, 0.5 halfway.
+    interpolate = [sys.executable, str(Path(__file__).parents[1] / "scripts" / "interpolate_translator.py"),
+                   "--start", str(tmp_path / "narrow"), "--run", str(tmp_path / "wide")]
+    start = MoTTranslator.from_pretrained(tmp_path / "narrow").widened(24, 16, seed=0).state_dict()
+    run = MoTTranslator.from_pretrained(tmp_path / "wide").state_dict()
+    for alpha in ("0", "0.5", "1"):
+        mixed = _run(interpolate + ["--alpha", alpha, "--output-dir", str(tmp_path / f"mix{alpha}")])
+        assert mixed.returncode == 0, mixed.stderr[-3000:]
+        weights = MoTTranslator.from_pretrained(tmp_path / f"mix{alpha}").state_dict()
+        for name, value in weights.items():
+            expected = float(alpha) * run[name] + (1 - float(alpha)) * start[name]
+            assert torch.allclose(value, expected, atol=1e-6), (alpha, name)
+    assert any(not torch.equal(start[name], run[name]) for name in run)  # the run did move its start
 
 
 def test_accelerate_two_processes(tiny_dirs, tmp_path):
