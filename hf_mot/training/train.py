@@ -157,10 +157,10 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
                 parser.error(f"--{name.replace('_', '-')} {size} is smaller than the {getattr(config, name)} of "
                              f"{args.init_from}: a loaded translator can be widened, not narrowed.")
         if any(size is not None and size > getattr(config, name) for name, size in sizes.items()):
-            if config.architecture != "mixture":
-                parser.error(f"{args.init_from} is a per-layer baseline: only mixture translators can be widened "
-                             "(leave out --hidden-size/--expert-hidden-size).")
-            translator = translator.widened(**sizes, seed=args.seed)
+            try:
+                translator = translator.widened(**sizes, seed=args.seed)
+            except ValueError as error:  # widened() says what cannot be widened; the CLI says how to go on
+                parser.error(f"{args.init_from}: {error} Leave out --hidden-size/--expert-hidden-size.")
     else:
         config = MoTConfig.from_models(
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
