@@ -205,7 +205,7 @@ def test_kill_and_resume_gives_the_weights_of_an_uninterrupted_run(tiny_dirs, tm
     assert kept == [f"checkpoint-{steps - 2}", f"checkpoint-{steps}"]
 
 
-def test_init_from_widens_refuses_to_narrow_and_interpolates_back(tiny_dirs, tmp_path):
+def test_init_from_widens_a_mixture_only_and_interpolates_back(tiny_dirs, tmp_path):
     script = [sys.executable, "-m", "hf_mot.training.train"]
     first = _run(script + _script_args(tiny_dirs, tmp_path / "narrow", 1, save_steps=1))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -219,6 +219,15 @@ def test_init_from_widens_refuses_to_narrow_and_interpolates_back(tiny_dirs, tmp
     narrowed = _run(script + args + ["--init-from", str(tmp_path / "narrow"), "--no-resume"])
     assert narrowed.returncode == 2 and "widened, not narrowed" in narrowed.stderr
     assert MoTTranslator.from_pretrained(tmp_path / "wide").config.hidden_size == 24  # nothing was written
+    per_layer = _run(script + _script_args(tiny_dirs, tmp_path / "per_layer", 1, save_steps=1)
+                     + ["--architecture", "per_layer"])
+    assert per_layer.returncode == 0, per_layer.stderr[-3000:]
+    # The per-layer baseline has no mixture to widen: a usage error that says what to leave out.
+    args = _script_args(tiny_dirs, tmp_path / "per_layer_wide", 1, save_steps=1)
+    args[args.index("--hidden-size") + 1] = "24"
+    widen_per_layer = _run(script + args + ["--init-from", str(tmp_path / "per_layer")])
+    assert widen_per_layer.returncode == 2 and "Leave out --hidden-size" in widen_per_layer.stderr
+    assert not (tmp_path / "per_layer_wide" / "model.safetensors").exists()
 
     # scripts/interpolate_translator.py rebuilds the wide run's start (the narrow one widened with the run's
     # seed) and mixes: alpha 0 is that start, 1 the run, 0.5 halfway.
