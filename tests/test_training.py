@@ -79,6 +79,35 @@ def test_kl_first_weight_counts_the_first_continuation_positions_more():
         LossWeights(kl_first=-1.0)
 
 
+def test_question_nll_weight_scales_the_next_token_loss_of_question_pairs_only():
+    translator, source, target, collate = _pair()
+    examples = _examples()
+    examples[1], examples[3] = {**examples[1], "question": True}, {**examples[3], "question": True}
+    nll_only = {"kv": 0.0, "kl": 0.0, "balance": 0.0}
+
+    def nll(batch_examples, question_nll):
+        with torch.no_grad():
+            return context_correction_loss(translator, source, target, collate(batch_examples),
+                                           LossWeights(**nll_only, question_nll=question_nll), "full").nll.item()
+
+    assert collate(examples)["question"].tolist() == [False, True, False, True]
+    # Weight 1: the plain mean, as if no pair were a question pair.
+    plain = [{"context": e["context"], "continuation": e["continuation"]} for e in examples]
+    assert nll(examples, 1.0) == pytest.approx(nll(plain, 1.0))
+    # Weight 0: the mean over the other pairs only (padding moves the result by float error only).
+    others = [examples[0], examples[2]]
+    assert nll(examples, 0.0) == pytest.approx(nll(others, 1.0), rel=1e-4)
+    assert nll(examples, 0.0) != pytest.approx(nll(examples, 1.0), rel=1e-3)
+    # A batch of question pairs only keeps its KV and KL terms.
+    questions = [examples[1], examples[3]]
+    with torch.no_grad():
+        parts = context_correction_loss(translator, source, target, collate(questions),
+                                        LossWeights(question_nll=0.0), "full")
+    assert parts.nll.item() == 0.0 and parts.kv.item() > 0 and parts.kl.item() > 0
+    with pytest.raises(ValueError, match="0 \\(off\\) or more"):
+        LossWeights(question_nll=-1.0)
+
+
 @pytest.mark.parametrize("architecture", ["mixture", "per_layer"])
 def test_one_step_lowers_the_loss_on_a_fixed_batch(tmp_path, architecture):
     translator, source, target, collate = _pair(architecture=architecture)

@@ -174,4 +174,6 @@ class MoTDataCollator:
             "continuation_ids": continuation_ids,
             "continuation_mask": continuation_mask,
             "alignment": align_contexts(source, target, same_tokenizer=same),
+            # Which pairs are question pairs: their next-token loss has a weight of its own.
+            "question": torch.tensor([bool(e.get("question")) for e in examples]),
         }

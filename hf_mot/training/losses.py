@@ -32,6 +32,10 @@ class LossWeights:
     `kl_first` shapes the KL term over the continuation: its first position counts `kl_first` times, and the
     excess halves at each later position (1: every position counts once). Last-state shift sits there: the
     first positions read the translated last context state most directly.
+
+    `question_nll` scales the next-token loss on question pairs (`as_question_pair`) against the other pairs
+    (0: question pairs train through the KV and KL terms only). Their answers come from the data, and the native
+    target does not always answer that way; the KL term already asks for its own answer.
     """
 
     nll: float = 1.0
@@ -39,6 +43,7 @@ class LossWeights:
     kl: float = 1.0
     balance: float = 0.01
     kl_first: float = 1.0
+    question_nll: float = 1.0
 
     def __post_init__(self):
         negative = {name: value for name, value in vars(self).items() if value < 0}
@@ -136,7 +141,12 @@ def context_correction_loss(
     nll = zero
     if weights.nll:
         labels = batch["continuation_ids"][:, 1:][continuation_mask]
-        nll = F.cross_entropy(logits[:, :-1][continuation_mask].float(), labels)
+        per_token = F.cross_entropy(logits[:, :-1][continuation_mask].float(), labels, reduction="none")
+        # A weighted mean: at `question_nll` 1 the plain mean; at 0 the mean over the other pairs only.
+        question = batch.get("question", torch.zeros(len(continuation_mask), dtype=torch.bool))
+        row_weight = torch.where(question.to(per_token.device), weights.question_nll, 1.0)
+        token_weight = row_weight[:, None].expand_as(continuation_mask)[continuation_mask]
+        nll = (token_weight * per_token).sum() / token_weight.sum().clamp_min(1e-6)
     kl = weighted_kl = zero
     if weights.kl:
         every = batch["continuation_mask"].bool()

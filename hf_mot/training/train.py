@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the KL at the first continuation position counts this many times, the excess halving at each later "
         "position: more weight where last-state shift bends the first generated tokens (1: uniform)",
     )
+    losses.add_argument(
+        "--question-nll-weight", type=float, default=1.0,
+        help="the next-token loss on question pairs counts this much against the other pairs (0: they train "
+        "through the KV and KL terms only, toward the native target's answer rather than the data's)",
+    )
     losses.add_argument("--balance-weight", type=float, default=0.01)
     run = parser.add_argument_group("run")
     run.add_argument("--output-dir", required=True)
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     args = parser.parse_args(argv)
     if args.keep_checkpoints < 0:
         parser.error(f"--keep-checkpoints must be 0 (keep every checkpoint) or more, got {args.keep_checkpoints}.")
-    for name in ("nll_weight", "kv_weight", "kl_weight", "kl_first_weight", "balance_weight"):
+    for name in ("nll_weight", "kv_weight", "kl_weight", "kl_first_weight", "question_nll_weight", "balance_weight"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}.")
     source, source_tok = load_model(args.source)
@@ -186,7 +191,8 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         logging_steps=args.logging_steps, seed=args.seed, data_seed=args.seed, bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         nll_weight=args.nll_weight, kv_weight=args.kv_weight, kl_weight=args.kl_weight,
-        kl_first_weight=args.kl_first_weight, balance_weight=args.balance_weight, injection_mode=args.injection_mode,
+        kl_first_weight=args.kl_first_weight, question_nll_weight=args.question_nll_weight,
+        balance_weight=args.balance_weight, injection_mode=args.injection_mode,
     )
     trainer = MoTTrainer(
         model=translator, args=training_args, source_model=source, target_model=target,

@@ -25,6 +25,8 @@ class MoTTrainingArguments(TrainingArguments):
             distributions at the continuation positions.
         kl_first_weight (`float`, *optional*, defaults to 1.0): how many times the KL at the first continuation
             position counts, the excess halving at each later position (last-state shift; 1: uniform).
+        question_nll_weight (`float`, *optional*, defaults to 1.0): the next-token loss on question pairs,
+            relative to the other pairs (0: question pairs train through the KV and KL terms only).
         balance_weight (`float`, *optional*, defaults to 0.01): router load-balancing term.
         injection_mode (`str`, *optional*): train for `"full"` or `"window"` mode (defaults to the config's).
 
@@ -36,6 +38,9 @@ class MoTTrainingArguments(TrainingArguments):
     kl_weight: float = field(default=1.0, metadata={"help": "weight of the next-token distribution term"})
     kl_first_weight: float = field(
         default=1.0, metadata={"help": "times the KL at the first continuation position counts (halving excess)"}
+    )
+    question_nll_weight: float = field(
+        default=1.0, metadata={"help": "weight of the next-token loss on question pairs, relative to the others"}
     )
     balance_weight: float = field(default=0.01, metadata={"help": "weight of the router load-balancing term"})
     injection_mode: str | None = field(default=None, metadata={"help": "full or window (default: config)"})
@@ -52,7 +57,7 @@ class MoTTrainingArguments(TrainingArguments):
     @property
     def loss_weights(self) -> LossWeights:
         return LossWeights(nll=self.nll_weight, kv=self.kv_weight, kl=self.kl_weight, balance=self.balance_weight,
-                           kl_first=self.kl_first_weight)
+                           kl_first=self.kl_first_weight, question_nll=self.question_nll_weight)
 
 
 class LossCurveCallback(TrainerCallback):
