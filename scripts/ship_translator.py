@@ -81,7 +81,12 @@ def describe_phases(run: Path) -> list[str]:
                if a.get("question_nll_weight", 1.0) != 1.0 else "") + "."
             + _added_paths(folder, a.get("init_from"))
         )
-        record = record.get("init_from_record")
+        parent, record = a.get("init_from"), record.get("init_from_record")
+    # A run started from a packaged translator (a shipped one) has no recorded command for it: its own card
+    # lists its phases.
+    card = Path(parent) / "README.md" if parent else None
+    if card is not None and card.is_file() and not (card.parent / RECORD).exists():
+        lines.extend(line for line in card.read_text().splitlines()[::-1] if line.startswith("- `hf-mot train "))
     return lines[::-1]
 
 
