@@ -34,8 +34,8 @@ class LossWeights:
     first positions read the translated last context state most directly.
 
     `question_nll` scales the next-token loss on question pairs (`as_question_pair`) against the other pairs
-    (0: question pairs train through the KV and KL terms only). Their answers come from the data, and the native
-    target does not always answer that way; the KL term already asks for its own answer.
+    (0: question pairs train through the KV and KL terms only). Their answers come from the data, where the
+    native target may answer otherwise; the KL term pulls toward the native target's own answer.
     """
 
     nll: float = 1.0
