@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import fields
 
 import torch
 from transformers import TrainerCallback
@@ -23,6 +24,7 @@ from ..configuration_mot import MoTConfig
 from ..modeling_mot import MoTTranslator, write_json_atomically
 from ..models import load_model
 from .data import ContextContinuationDataset, MoTDataCollator
+from .losses import LossWeights
 from .trainer import MoTTrainer, MoTTrainingArguments
 
 
@@ -140,9 +142,11 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     args = parser.parse_args(argv)
     if args.keep_checkpoints < 0:
         parser.error(f"--keep-checkpoints must be 0 (keep every checkpoint) or more, got {args.keep_checkpoints}.")
-    for name in ("nll_weight", "kv_weight", "kl_weight", "kl_first_weight", "question_nll_weight", "balance_weight"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}.")
+    # Every loss weight has a `--X-weight` flag named after its `LossWeights` field.
+    loss_weights = {f"{field.name}_weight": getattr(args, f"{field.name}_weight") for field in fields(LossWeights)}
+    for name, value in loss_weights.items():
+        if value < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {value}.")
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
     if args.init_from:
@@ -190,9 +194,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         save_total_limit=args.keep_checkpoints or None,
         logging_steps=args.logging_steps, seed=args.seed, data_seed=args.seed, bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-        nll_weight=args.nll_weight, kv_weight=args.kv_weight, kl_weight=args.kl_weight,
-        kl_first_weight=args.kl_first_weight, question_nll_weight=args.question_nll_weight,
-        balance_weight=args.balance_weight, injection_mode=args.injection_mode,
+        injection_mode=args.injection_mode, **loss_weights,
     )
     trainer = MoTTrainer(
         model=translator, args=training_args, source_model=source, target_model=target,
