@@ -83,11 +83,19 @@ def describe_phases(run: Path) -> list[str]:
         )
         parent, record = a.get("init_from"), record.get("init_from_record")
     # A run started from a packaged translator (a shipped one) has no recorded command for it: its own card
-    # lists its phases.
+    # lists its phases. Once this run is shipped into that same package, the card lists this run's phases too
+    # (a second packaging, with --evaluation, reads it back): phases whose command is already listed are skipped.
     card = Path(parent) / "README.md" if parent else None
     if card is not None and card.is_file() and not (card.parent / RECORD).exists():
-        lines.extend(line for line in card.read_text().splitlines()[::-1] if line.startswith("- `hf-mot train "))
+        listed = {_phase_command(line) for line in lines}
+        lines.extend(line for line in card.read_text().splitlines()[::-1]
+                     if line.startswith("- `hf-mot train ") and _phase_command(line) not in listed)
     return lines[::-1]
+
+
+def _phase_command(line: str) -> str:
+    """The `hf-mot train ...` command of a phase line of `describe_phases`."""
+    return line.split("`")[1]
 
 
 def main() -> None:

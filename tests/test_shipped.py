@@ -1,5 +1,7 @@
 """The default translator that ships inside the package."""
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -70,3 +72,36 @@ def test_the_card_usage_snippet_runs(tmp_path):
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip(), "the snippet prints the target's answer"
+
+
+def _ship_script():
+    path = Path(__file__).parents[1] / "scripts" / "ship_translator.py"
+    spec = importlib.util.spec_from_file_location("ship_translator", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_card_phases_carry_over_from_the_package_a_run_started_from(tmp_path):
+    ship = _ship_script()
+    package, run = tmp_path / "package", tmp_path / "run"
+    package.mkdir(), run.mkdir()
+    card = (Path(shipped_translator_dir(REPO_ID)) / "README.md").read_text()
+    shipped_phases = [line for line in card.splitlines() if line.startswith("- `hf-mot train ")]
+    assert shipped_phases  # the shipped card lists how it was trained
+    (package / "README.md").write_text(card)
+    argv = ["--source", "s", "--target", "t", "--init-from", str(package), "--output-dir", str(run)]
+    args = {"init_from": str(package), "output_dir": str(run), "batch_size": 4, "context_words": [160, 640],
+            "continuation_words": 16, "nll_weight": 1.0, "kv_weight": 1.0, "kl_weight": 2.0, "balance_weight": 0.01,
+            "question_nll_weight": 0.0}
+    (run / "train_command.json").write_text(json.dumps({"argv": argv, "args": args}))
+    (run / "trainer_state.json").write_text(json.dumps({"global_step": 7, "log_history": [{"train_runtime": 120}]}))
+
+    phases = ship.describe_phases(run)
+    assert phases[:-1] == shipped_phases
+    assert phases[-1].startswith(f"- `hf-mot train {' '.join(argv)}`: 7 steps, 2 min;")
+    assert "NLL on question pairs x0.0" in phases[-1]
+    # Packaged into the same folder it started from, the card lists the run's phase; packaging again (as with
+    # --evaluation) must not list it twice.
+    (package / "README.md").write_text(card.replace(shipped_phases[-1], "\n".join([shipped_phases[-1], phases[-1]])))
+    assert ship.describe_phases(run) == phases
