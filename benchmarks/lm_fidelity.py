@@ -8,6 +8,13 @@ the validation documents of `hf_mot.training.data` (split by document; never tra
 Usage:
     python benchmarks/lm_fidelity.py --translator shipped=hf-mot/smollm2-135m-to-gemma3-270m \
         --translator untrained=untrained --lengths 64 128 256 512 --per-length 60
+
+Choose among a run's checkpoints on the selection part (documents disjoint from the test part's), then report
+the chosen one on the test part:
+    python benchmarks/lm_fidelity.py --part selection --no-window --translator c200=runs/x/checkpoint-200 \
+        --translator c250=runs/x/checkpoint-250 --lengths 128 256 512 --per-length 12 --output runs/x-sel.json
+(The validation split is small: past 12 pairs at 512 tokens the selection pairs would reach the test documents,
+which the script refuses.)
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ from pathlib import Path
 import torch
 
 from hf_mot import MoTConfig, MoTTranslator, load_model
-from hf_mot.evaluation.fidelity import evaluate_fidelity, heldout_examples, summarize
+from hf_mot.evaluation.fidelity import HELDOUT_PARTS, evaluate_fidelity, heldout_examples, summarize
 from hf_mot.evaluation.report import machine_info, write_json_atomically
+
+# The test pairs every reported figure (README, benchmarks/results, the model card) comes from.
+REPORTED_LENGTHS, REPORTED_PER_LENGTH = (64, 128, 256, 512), 50
 
 
 def main() -> None:
@@ -43,12 +53,27 @@ def main() -> None:
     parser.add_argument("--native-tail", type=int, default=0, metavar="K",
                         help="also run full mode with the last K context tokens read by the target itself "
                              "(`native_tail`), and the floor for it: the target reading those K tokens alone")
+    parser.add_argument("--part", choices=HELDOUT_PARTS, default="test",
+                        help="held-out documents to cut pairs from: 'test' (the reported figures) or 'selection' "
+                             "(disjoint from them: for choosing a checkpoint or a setting)")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/lm_fidelity.json"))
     args = parser.parse_args()
+    if args.part == "selection" and args.output == parser.get_default("output"):
+        parser.error("--part selection would replace the reported test-part figures in "
+                     f"{args.output}; pass --output elsewhere (e.g. runs/selection.json).")
 
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
-    examples = heldout_examples(target_tok, tuple(args.lengths), args.per_length, args.continuation_tokens)
+    examples = heldout_examples(
+        target_tok, tuple(args.lengths), args.per_length, args.continuation_tokens, part=args.part
+    )
+    if args.part == "selection":
+        reported = heldout_examples(target_tok, REPORTED_LENGTHS, REPORTED_PER_LENGTH, args.continuation_tokens)
+        shared = {e.document for e in examples} & {e.document for e in reported}
+        if shared:
+            sys.exit(f"The selection pairs would read {len(shared)} of the documents the reported figures come from "
+                     f"({REPORTED_PER_LENGTH} test pairs at each of {REPORTED_LENGTHS} tokens); lower --per-length "
+                     "or leave out the longest --lengths.")
     modes = {"full": {"injection_mode": "full"}}
     if not args.no_window:
         modes["window"] = {"injection_mode": "window", "injection_window": tuple(args.window)}
@@ -134,9 +159,10 @@ def main() -> None:
         # 0.2; tables without this field were measured before, with it translated.
         "first_token": "target",
         "machine": machine_info(),
-        "source": args.source, "target": args.target,
-        "data": "validation split of hf_mot.training.data (5% of documents by hash; never trained on); "
-                f"{args.per_length} pairs per context length, {args.continuation_tokens}-token continuations",
+        "source": args.source, "target": args.target, "part": args.part,
+        "data": "validation split of hf_mot.training.data (5% of documents by hash; never trained on), "
+                f"{args.part} part; {args.per_length} pairs per context length, "
+                f"{args.continuation_tokens}-token continuations",
         "window": args.window, "results": results, "table": table,
         "tail_only": {"tokens": args.native_tail, "overall": tail_overall, "by_length": tail_by_length}
         if args.native_tail else None,

@@ -62,3 +62,18 @@ def test_tail_only_floor():
     short = summarize(rows, ["tail_only", "full+tail"])
     assert short["tail_only"]["kl"] > 1e-6  # the tiny model reads little, but not nothing, from the rest
     assert math.isclose(short["full+tail"]["gap_closed"], 1.0, abs_tol=1e-4)  # exact translation + tail
+
+
+
+@pytest.mark.real_models
+def test_selection_pairs_come_from_other_documents_than_the_test_pairs(gemma3):
+    from hf_mot.evaluation import heldout_examples
+
+    _, tokenizer = gemma3
+    test = heldout_examples(tokenizer, lengths=(64, 512), per_length=8)
+    selection = heldout_examples(tokenizer, lengths=(64, 512), per_length=8, part="selection")
+    assert len(selection) == len(test) == 16
+    assert min(e.document for e in selection) > max(e.document for e in test)
+    assert not {e.context for e in test} & {e.context for e in selection}
+    with pytest.raises(ValueError, match="part"):
+        heldout_examples(tokenizer, lengths=(64,), per_length=1, part="validation")

@@ -26,6 +26,8 @@ from ..modeling_mot import MoTTranslator
 from ..training.data import document_split
 from .qa import translated_conditions
 
+HELDOUT_PARTS = ("test", "selection")
+
 
 @dataclass
 class FidelityExample:
@@ -33,6 +35,7 @@ class FidelityExample:
     continuation_ids: list[int]
     context_tokens: int
     corpus: str
+    document: int = -1  # index of its document among the shuffled validation documents (-1: made by hand)
 
 
 def heldout_examples(
@@ -42,9 +45,17 @@ def heldout_examples(
     continuation_tokens: int = 32,
     validation_percent: int = 5,
     seed: int = 0,
+    part: str = "test",
 ) -> list[FidelityExample]:
     """Pairs cut from the validation documents (never trained on), `per_length` for each context length in
-    target tokens (BOS included)."""
+    target tokens (BOS included).
+
+    The documents are shuffled once (`seed`); `part="test"` takes them from the front, `part="selection"` from
+    the back, so that choosing a checkpoint or a setting on the selection part leaves the test pairs unseen as
+    long as the two parts together need no more documents than there are (`FidelityExample.document` says
+    which document a pair came from, to check)."""
+    if part not in HELDOUT_PARTS:
+        raise ValueError(f"`part` must be one of {HELDOUT_PARTS}, got {part!r}.")
     documents = [
         (corpus, doc)
         for corpus, docs in sorted(training_documents().items())
@@ -52,16 +63,17 @@ def heldout_examples(
         if document_split(doc, validation_percent) == "validation"
     ]
     random.Random(seed).shuffle(documents)
-    tokenized = [(corpus, tokenizer(doc, add_special_tokens=False).input_ids) for corpus, doc in documents]
+    order = range(len(documents)) if part == "test" else range(len(documents) - 1, -1, -1)
+    tokenized = [(i, documents[i][0], tokenizer(documents[i][1], add_special_tokens=False).input_ids) for i in order]
     examples = []
     for length in lengths:
         found = []
-        for corpus, ids in tokenized:
+        for document, corpus, ids in tokenized:
             span = (length - 1) + continuation_tokens
             for start in range(0, len(ids) - span + 1, span):
                 context = tokenizer.decode(ids[start : start + length - 1])
                 continuation = ids[start + length - 1 : start + span]
-                found.append(FidelityExample(context, continuation, length, corpus))
+                found.append(FidelityExample(context, continuation, length, corpus, document))
                 if len(found) == per_length:
                     break
             if len(found) == per_length:
