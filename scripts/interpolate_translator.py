@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from hf_mot import MoTTranslator
-from hf_mot.training.train import RECORD
+from hf_mot.evaluation.report import write_json_atomically
+from hf_mot.training.train import INTERPOLATION_RECORD, RECORD
 
 
 def main() -> None:
@@ -40,6 +42,11 @@ def main() -> None:
         parser.error(f"{args.start} and {args.run} do not have the same weights; interpolate a run with its start.")
     run.load_state_dict({k: args.alpha * v + (1 - args.alpha) * start_state[k] for k, v in run_state.items()})
     run.save_pretrained(args.output_dir)
+    # The model card of a shipped interpolation lists the run's phases and then this step (ship_translator.py).
+    write_json_atomically(
+        Path(args.output_dir) / INTERPOLATION_RECORD,
+        {"argv": sys.argv[1:], "start": args.start, "run": str(args.run), "alpha": args.alpha},
+    )
     print(f"wrote {args.output_dir}")
 
 

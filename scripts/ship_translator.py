@@ -21,7 +21,7 @@ from hf_mot import MoTTranslator
 from hf_mot.data import TRAINING_DATASETS
 from hf_mot.model_card import render_model_card
 from hf_mot.modeling_mot import SHIPPED_TRANSLATORS
-from hf_mot.training.train import RECORD
+from hf_mot.training.train import INTERPOLATION_RECORD, RECORD
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MB = 32
@@ -60,7 +60,15 @@ def _added_paths(folder: Path, parent: str | None) -> str:
 
 
 def describe_phases(run: Path) -> list[str]:
-    """One line per training phase (a run started `--init-from` another adds a phase), oldest first."""
+    """One line per training phase (a run started `--init-from` another adds a phase), oldest first; an
+    interpolated translator (scripts/interpolate_translator.py) lists its run's phases and then that step."""
+    if (run / INTERPOLATION_RECORD).exists():
+        record = json.loads((run / INTERPOLATION_RECORD).read_text())
+        line = (f"- `python scripts/interpolate_translator.py {' '.join(record['argv'])}`: no training; the weights "
+                f"are {record['alpha']:g} x the last phase's + {1 - record['alpha']:g} x those it started from.")
+        # Packaged again into the package its run started from, the run's phases (read back from that
+        # package's card) already hold this line.
+        return [phase for phase in describe_phases(Path(record["run"])) if phase != line] + [line]
     record_path = run / RECORD
     if not record_path.exists():
         raise FileNotFoundError(f"{record_path} is missing: the model card needs the run's recorded command.")
@@ -89,12 +97,16 @@ def describe_phases(run: Path) -> list[str]:
     if card is not None and card.is_file() and not (card.parent / RECORD).exists():
         listed = {_phase_command(line) for line in lines}
         lines.extend(line for line in card.read_text().splitlines()[::-1]
-                     if line.startswith("- `hf-mot train ") and _phase_command(line) not in listed)
+                     if line.startswith(PHASE_PREFIXES) and _phase_command(line) not in listed)
     return lines[::-1]
 
 
+# How the phase lines of `describe_phases` start: a training run or an interpolation.
+PHASE_PREFIXES = ("- `hf-mot train ", "- `python scripts/interpolate_translator.py ")
+
+
 def _phase_command(line: str) -> str:
-    """The `hf-mot train ...` command of a phase line of `describe_phases`."""
+    """The command of a phase line of `describe_phases`."""
     return line.split("`")[1]
 
 
@@ -110,8 +122,10 @@ def main() -> None:
     args = parser.parse_args()
 
     translator = MoTTranslator.from_pretrained(args.run)
-    state = json.loads((args.run / "trainer_state.json").read_text()) if (args.run / "trainer_state.json").exists() \
-        else json.loads(sorted(args.run.glob("checkpoint-*/trainer_state.json"))[-1].read_text())
+    interpolation = args.run / INTERPOLATION_RECORD
+    trained = Path(json.loads(interpolation.read_text())["run"]) if interpolation.exists() else args.run
+    state = json.loads((trained / "trainer_state.json").read_text()) if (trained / "trainer_state.json").exists() \
+        else json.loads(sorted(trained.glob("checkpoint-*/trainer_state.json"))[-1].read_text())
     history = [row for row in state["log_history"] if "loss" in row]
     parameters = sum(p.numel() for p in translator.parameters())
 
@@ -123,7 +137,8 @@ def main() -> None:
         "cache + KL to the native next-token distributions at the continuation positions; router load balancing. "
         "On 2 CPU cores, fp32 (the weights are stored in float16 and load as float32):\n\n"
         + "\n".join(describe_phases(args.run))
-        + f"\n\nFinal logged losses: NLL {history[-1]['nll']:.3f}, KV {history[-1]['kv']:.3f}, "
+        + f"\n\nFinal logged losses{' of the last training phase' if trained != args.run else ''}: "
+        f"NLL {history[-1]['nll']:.3f}, KV {history[-1]['kv']:.3f}, "
         f"KL {history[-1]['kl']:.3f}."
     )
     fidelity, evaluation, overall = None, "Not evaluated yet.", None

@@ -82,13 +82,11 @@ def _ship_script():
     return module
 
 
-def test_card_phases_carry_over_from_the_package_a_run_started_from(tmp_path):
-    ship = _ship_script()
+def _run_started_from_the_shipped_package(tmp_path):
+    """A recorded run (as `hf-mot train` leaves it) that started from a package holding the shipped card."""
     package, run = tmp_path / "package", tmp_path / "run"
     package.mkdir(), run.mkdir()
     card = (Path(shipped_translator_dir(REPO_ID)) / "README.md").read_text()
-    shipped_phases = [line for line in card.splitlines() if line.startswith("- `hf-mot train ")]
-    assert shipped_phases  # the shipped card lists how it was trained
     (package / "README.md").write_text(card)
     argv = ["--source", "s", "--target", "t", "--init-from", str(package), "--output-dir", str(run)]
     args = {"init_from": str(package), "output_dir": str(run), "batch_size": 4, "context_words": [160, 640],
@@ -96,6 +94,14 @@ def test_card_phases_carry_over_from_the_package_a_run_started_from(tmp_path):
             "question_nll_weight": 0.0}
     (run / "train_command.json").write_text(json.dumps({"argv": argv, "args": args}))
     (run / "trainer_state.json").write_text(json.dumps({"global_step": 7, "log_history": [{"train_runtime": 120}]}))
+    return package, run, card, argv
+
+
+def test_card_phases_carry_over_from_the_package_a_run_started_from(tmp_path):
+    ship = _ship_script()
+    package, run, card, argv = _run_started_from_the_shipped_package(tmp_path)
+    shipped_phases = [line for line in card.splitlines() if line.startswith(ship.PHASE_PREFIXES)]
+    assert shipped_phases  # the shipped card lists how it was trained
 
     phases = ship.describe_phases(run)
     assert phases[:-1] == shipped_phases
@@ -105,3 +111,21 @@ def test_card_phases_carry_over_from_the_package_a_run_started_from(tmp_path):
     # --evaluation) must not list it twice.
     (package / "README.md").write_text(card.replace(shipped_phases[-1], "\n".join([shipped_phases[-1], phases[-1]])))
     assert ship.describe_phases(run) == phases
+
+
+def test_card_phases_of_an_interpolated_translator(tmp_path):
+    ship = _ship_script()
+    package, run, card, _ = _run_started_from_the_shipped_package(tmp_path)
+    run_phases = ship.describe_phases(run)
+    mean = tmp_path / "mean"
+    mean.mkdir()
+    argv = ["--start", str(package), "--run", str(run), "--alpha", "0.5", "--output-dir", str(mean)]
+    (mean / "interpolation.json").write_text(json.dumps({"argv": argv, "start": str(package), "run": str(run),
+                                                          "alpha": 0.5}))
+    phases = ship.describe_phases(mean)
+    assert phases[:-1] == run_phases
+    assert phases[-1].startswith(f"- `python scripts/interpolate_translator.py {' '.join(argv)}`: no training;")
+    assert "0.5 x the last phase's + 0.5 x those it started from" in phases[-1]
+    # Shipped into the package the run started from, then packaged again: each phase is listed once.
+    (package / "README.md").write_text(card + "\n" + "\n".join(phases[len(run_phases) - 1:]) + "\n")
+    assert ship.describe_phases(mean) == phases

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 RECORD = "train_command.json"
+# Written by scripts/interpolate_translator.py instead of RECORD: the translator is a weighted mean of a run and
+# its start, not trained itself.
+INTERPOLATION_RECORD = "interpolation.json"
 
 
 def record_command(args: argparse.Namespace, argv: list[str]) -> None:
