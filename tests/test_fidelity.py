@@ -64,7 +64,6 @@ def test_tail_only_floor():
     assert math.isclose(short["full+tail"]["gap_closed"], 1.0, abs_tol=1e-4)  # exact translation + tail
 
 
-
 @pytest.mark.real_models
 def test_selection_pairs_come_from_other_documents_than_the_test_pairs(gemma3):
     from hf_mot.evaluation import heldout_examples
