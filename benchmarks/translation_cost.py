@@ -48,7 +48,7 @@ from hf_mot.pipeline import align_contexts, build_translated_cache, encode_conte
 
 # The config fields that decide a translator's size and work (the cost does not depend on its weights).
 SHAPE_FIELDS = ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "architecture",
-                "target_embedding_size", "depth_matched_layers")
+                "target_embedding_size", "depth_matched_layers", "local_context_tokens")
 STEPS = ["translate_full", "translate_window", "native_target_prefill", "source_prefill"]
 LABELS = {
     "translate_full": "full",

@@ -44,6 +44,9 @@ class MoTConfig(PretrainedConfig):
             linear map of its own from this many source layers at the same relative depth, added to the
             mixture's output. The shared `hidden_size` representation caps the rank of all produced layers
             together; this path lifts the cap (it matters for values, which are high-rank across layers).
+        local_context_tokens (`int`, *optional*, defaults to 0): when > 0, each target token's representation
+            also reads the representations of this many target tokens before it (a causal linear mixer, before
+            the router). Otherwise every target token is translated from its own aligned source features only.
         architecture (`str`, *optional*, defaults to `"mixture"`): `"mixture"` is the Mixture of Translators;
             `"per_layer"` is the Cache-to-Cache-style baseline (one MLP per target layer over one source layer's
             keys and values, `expert_hidden_size` wide; no router).
@@ -75,6 +78,7 @@ class MoTConfig(PretrainedConfig):
     initializer_range: float = 0.02
     target_embedding_size: int | None = None
     depth_matched_layers: int = 0
+    local_context_tokens: int = 0
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -85,8 +89,9 @@ class MoTConfig(PretrainedConfig):
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
-        if self.depth_matched_layers < 0:
-            raise ValueError(f"`depth_matched_layers` must be >= 0, got {self.depth_matched_layers}.")
+        for name in ("depth_matched_layers", "local_context_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"`{name}` must be >= 0 (0: off), got {getattr(self, name)}.")
         for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
@@ -115,6 +120,11 @@ class MoTConfig(PretrainedConfig):
             raise ValueError(
                 "`depth_matched_layers` needs `architecture='mixture'`: the per-layer baseline is depth-matched "
                 "already."
+            )
+        if self.local_context_tokens and self.architecture != "mixture":
+            raise ValueError(
+                "`local_context_tokens` needs `architecture='mixture'`: the per-layer baseline reads each token on "
+                "its own. Leave it at 0."
             )
         if self.target_embedding_size is not None and self.architecture != "mixture":
             raise ValueError(

@@ -37,6 +37,9 @@ def render_model_card(
     depth_matched = (
         f", a depth-matched path from {config.depth_matched_layers} source layers per target layer"
         if config.depth_matched_layers else ""
+    ) + (
+        f", a local mixer over the {config.local_context_tokens} previous target tokens"
+        if config.local_context_tokens else ""
     )
     eval_results = []
     for mode, summary in (fidelity or {}).items():

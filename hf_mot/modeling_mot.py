@@ -112,6 +112,36 @@ class DepthMatchedPath(nn.Module):
         return F.linear(aligned, self.weight[index].t(), self.bias[index])
 
 
+class LocalTokenMixer(nn.Module):
+    """Adds to each target token's representation a linear map of the `count` target tokens before it.
+
+    Without it every target token is translated from its own aligned source features only. The alignment
+    averages the source tokens that overlap a target token, so a word split differently by the two tokenizers
+    comes out blurred, and the target's states at a token also depend on its neighbours. Reading the previous
+    few tokens' representations gives the mixture that local context. It is causal (a token never reads later
+    ones, as the target's own states never do) and padding is zeroed first, so a padded batch translates
+    each row as it would alone. It starts at zero: adding it to a trained translator (`hf-mot train
+    --init-from`) starts from exactly that translator. Its parameters sit on the module itself, as for
+    [`TargetTokenReader`].
+    """
+
+    def __init__(self, count: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(count, hidden_size, hidden_size))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.zeros_(self.weight)
+
+    def forward(self, hidden: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """`hidden` `(batch, tokens, hidden_size)`, `real` `(batch, tokens)`: 1 for real tokens, 0 for padding."""
+        context = hidden * real.unsqueeze(-1).to(hidden.dtype)
+        out = hidden
+        for back in range(1, min(self.weight.shape[0], hidden.shape[1] - 1) + 1):
+            out = out + F.pad(context[:, :-back], (0, 0, back, 0)) @ self.weight[back - 1]
+        return out
+
+
 class KVMixture(nn.Module):
     """One mixture of translator experts: maps the source's keys (or values) to the target's.
 
@@ -126,6 +156,9 @@ class KVMixture(nn.Module):
     3. one projection produces the features of every produced target layer at once;
     4. if the config has `depth_matched_layers`, a per-layer linear path from the source layers at the same
        relative depth is added ([`DepthMatchedPath`]): it lifts the rank limit of the shared representation.
+
+    If the config has `local_context_tokens`, step 1 also adds a linear map of the previous that many target
+    tokens' representations ([`LocalTokenMixer`]), before the router.
 
     The experts run once per token, not once per (token, layer): the cost grows with the context length only.
     With the identity init both projections are identities and every expert outputs zero, so the mixture
@@ -153,6 +186,9 @@ class KVMixture(nn.Module):
         self.depth_matched = None
         if config.depth_matched_layers:
             self.depth_matched = DepthMatchedPath(config.depth_matched_layers, source, target, start, count)
+        self.local_context = None
+        if config.local_context_tokens:
+            self.local_context = LocalTokenMixer(config.local_context_tokens, d)
 
     @torch.no_grad()
     def reset_parameters(self, identity: bool, std: float) -> None:
@@ -197,6 +233,9 @@ class KVMixture(nn.Module):
         hidden = alignment.apply(self.in_proj(source.reshape(batch, tokens, layers * features))[None])[0]
         if self.target_tokens is not None:
             hidden = hidden + self.target_tokens(target_embeddings.to(hidden.dtype))
+        if self.local_context is not None:
+            # Padding rows of the alignment have no source token (all weights zero).
+            hidden = self.local_context(hidden, alignment.weight.sum(dim=-1).to(hidden.device) > 0)
 
         flat = hidden.reshape(-1, hidden.shape[-1])
         normed = self.norm(flat)
@@ -275,6 +314,8 @@ def widen_mixture(narrow: KVMixture, wide: KVMixture, std: float) -> None:
         wide_reader.proj_bias[:d] = reader.proj_bias
     if narrow.depth_matched is not None:
         wide.depth_matched.load_state_dict(narrow.depth_matched.state_dict())
+    if narrow.local_context is not None:
+        wide.local_context.weight[:, :d, :d] = narrow.local_context.weight
 
 
 class PerLayerProjector(nn.Module):
@@ -524,7 +565,7 @@ class MoTTranslator(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):
             module.reset_parameters(identity=self.config.init == "identity", std=self.config.initializer_range)
-        elif isinstance(module, (TargetTokenReader, DepthMatchedPath)):
+        elif isinstance(module, (TargetTokenReader, DepthMatchedPath, LocalTokenMixer)):
             module.reset_parameters()
         elif isinstance(module, PerLayerProjector):
             module.reset_parameters()

@@ -40,7 +40,8 @@ def _runtime_minutes(run: Path) -> float:
 
 
 # Translator paths a phase may add (at zero) to the translator it starts from, and how the card names them.
-ADDED_PATHS = {"target_embedding_size": "the target-token reader", "depth_matched_layers": "the depth-matched path"}
+ADDED_PATHS = {"target_embedding_size": "the target-token reader", "depth_matched_layers": "the depth-matched path",
+               "local_context_tokens": "the local token mixer"}
 
 
 def _added_paths(folder: Path, parent: str | None) -> str:

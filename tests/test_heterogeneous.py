@@ -245,7 +245,7 @@ def test_added_paths_start_as_the_translator_they_extend(tmp_path):
     without = MoTTranslator(config).eval()
     without.save_pretrained(tmp_path)
     with_reader = MoTTranslator.from_pretrained(
-        tmp_path, target_embedding_size=target.config.hidden_size, depth_matched_layers=2
+        tmp_path, target_embedding_size=target.config.hidden_size, depth_matched_layers=2, local_context_tokens=2
     ).eval()
     reader = with_reader.key_mixture.target_tokens
     assert torch.equal(reader.proj_weight, torch.zeros_like(reader.proj_weight))
@@ -265,6 +265,32 @@ def test_added_paths_start_as_the_translator_they_extend(tmp_path):
     changed_again = _translate(with_reader, source, target, tok)
     assert torch.equal(changed_again.layers[0].values, changed.layers[0].values)  # its own weight per layer
     assert not torch.allclose(changed_again.layers[1].values, changed.layers[1].values)
+    mixer = with_reader.key_mixture.local_context
+    assert torch.equal(mixer.weight, torch.zeros_like(mixer.weight))
+    with torch.no_grad():
+        mixer.weight.normal_(std=0.1)
+    mixed = _translate(with_reader, source, target, tok)
+    assert not torch.allclose(mixed.layers[0].keys, changed_again.layers[0].keys)
+
+
+def test_local_token_mixer_is_causal_and_ignores_padding():
+    """A token reads only the tokens before it, and a left-padded row mixes as it would alone."""
+    from hf_mot.modeling_mot import LocalTokenMixer
+
+    torch.manual_seed(0)
+    mixer = LocalTokenMixer(3, 8)
+    with torch.no_grad():
+        mixer.weight.normal_()
+    hidden = torch.randn(1, 10, 8)
+    out = mixer(hidden, torch.ones(1, 10))
+    later_changed = hidden.clone()
+    later_changed[:, 6:] += 1.0
+    torch.testing.assert_close(mixer(later_changed, torch.ones(1, 10))[:, :6], out[:, :6])
+    assert not torch.allclose(mixer(later_changed, torch.ones(1, 10))[:, 6:], out[:, 6:])
+    padded = torch.cat([torch.randn(1, 4, 8) * 100, hidden], dim=1)  # garbage in the padding rows
+    real = torch.cat([torch.zeros(1, 4), torch.ones(1, 10)], dim=1)
+    torch.testing.assert_close(mixer(padded, real)[:, 4:], out)
+    torch.testing.assert_close(mixer(hidden[:, :1], torch.ones(1, 1)), hidden[:, :1])  # nothing before it
 
 
 def test_widened_translator_starts_as_the_one_it_widens():
@@ -273,15 +299,19 @@ def test_widened_translator_starts_as_the_one_it_widens():
     receive gradients (a block of zeros on both sides of a product would never learn)."""
     source, target, tok = tiny_model("llama"), tiny_model("gemma3"), char_tokenizer()
     config = MoTConfig.from_models(source.config, target.config, hidden_size=16, expert_hidden_size=8,
-                                   depth_matched_layers=1)
+                                   depth_matched_layers=1, local_context_tokens=2)
     torch.manual_seed(0)
     narrow = MoTTranslator(config).eval()
-    with torch.no_grad():  # trained-looking experts: a fresh expert writes almost nothing
+    with torch.no_grad():  # trained-looking experts and mixer: a fresh one writes nothing or almost nothing
         for mixture in (narrow.key_mixture, narrow.value_mixture):
             mixture.expert_out.normal_(std=0.3)
+            mixture.local_context.weight.normal_(std=0.03)
     wide = narrow.widened(hidden_size=24, expert_hidden_size=12).eval()
     assert (wide.config.hidden_size, wide.config.expert_hidden_size) == (24, 12)
     assert wide.key_mixture.expert_in.shape == (config.num_experts, 24, 12)
+    mixer = wide.value_mixture.local_context.weight
+    assert torch.equal(mixer[:, :16, :16], narrow.value_mixture.local_context.weight)
+    assert not mixer[:, 16:].any() and not mixer[:, :, 16:].any()
     before, after = _translate(narrow, source, target, tok), _translate(wide, source, target, tok)
     for a, b in zip(before.layers, after.layers, strict=True):
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
@@ -325,3 +355,7 @@ def test_reading_target_tokens_needs_their_embeddings():
                               target_embedding_size=target.config.hidden_size)
     with pytest.raises(ValueError, match="depth_matched_layers"):
         MoTConfig.from_models(source.config, target.config, depth_matched_layers=source.config.num_hidden_layers + 1)
+    with pytest.raises(ValueError, match="local_context_tokens"):
+        MoTConfig.from_models(source.config, target.config, local_context_tokens=-1)
+    with pytest.raises(ValueError, match="local_context_tokens"):
+        MoTConfig.from_models(source.config, target.config, architecture="per_layer", local_context_tokens=2)

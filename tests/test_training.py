@@ -23,7 +23,7 @@ def _pair(mode="full", architecture="mixture"):
     source_tok, target_tok = char_tokenizer(), bpe_tokenizer()
     options = {"injection_mode": mode, "architecture": architecture}
     if architecture == "mixture":
-        options["depth_matched_layers"] = 1
+        options.update(depth_matched_layers=1, local_context_tokens=2)
     if mode == "window":
         options.update(injection_start=1, injection_layers=1)
     config = MoTConfig.from_models(source.config, target.config, source_tokenizer=source_tok,
@@ -51,7 +51,9 @@ def test_every_term_is_finite_and_reaches_only_the_translator(mode):
         parts.total.backward()
         grads = [p.grad for p in translator.parameters() if p.grad is not None]
         assert grads and any(g.abs().sum() > 0 for g in grads), f"{term} has no gradient path to the translator"
-        for path in (translator.key_mixture.target_tokens.proj_weight, translator.value_mixture.depth_matched.weight):
+        paths = (translator.key_mixture.target_tokens.proj_weight, translator.value_mixture.depth_matched.weight,
+                 translator.key_mixture.local_context.weight)
+        for path in paths:
             if term != "balance":  # the router's loss does not depend on the output paths
                 assert path.grad is not None and path.grad.abs().sum() > 0, f"{term} does not reach {path.shape}"
         assert all(p.grad is None for p in list(source.parameters()) + list(target.parameters())), term
@@ -272,6 +274,35 @@ def test_init_from_widens_a_mixture_only_and_interpolates_back(tiny_dirs, tmp_pa
             expected = float(alpha) * run[name] + (1 - float(alpha)) * start[name]
             assert torch.allclose(value, expected, atol=1e-6), (alpha, name)
     assert any(not torch.equal(start[name], run[name]) for name in run)  # the run did move its start
+
+
+def test_fresh_learning_rate_trains_only_the_added_paths_when_the_rest_is_frozen(tiny_dirs, tmp_path):
+    """`--init-from` with added paths and `--fresh-learning-rate`: the added parameters get a group of their own.
+    With `--learning-rate 0` only they may move; the loaded weights stay exactly as they were."""
+    script = [sys.executable, "-m", "hf_mot.training.train"]
+    first = _run(script + _script_args(tiny_dirs, tmp_path / "base", 1, save_steps=1))
+    assert first.returncode == 0, first.stderr[-3000:]
+    args = _script_args(tiny_dirs, tmp_path / "added", 2, save_steps=2)
+    args[args.index("--max-train-chunks") + 1] = "8"
+    added = _run(script + args + ["--init-from", str(tmp_path / "base"), "--local-context-tokens", "2",
+                                  "--learning-rate", "0", "--fresh-learning-rate", "1e-2"])
+    assert added.returncode == 0, added.stderr[-3000:]
+    before, after = load_file(tmp_path / "base" / "model.safetensors"), load_file(tmp_path / "added" / "model.safetensors")
+    assert set(after) - set(before) == {"key_mixture.local_context.weight", "value_mixture.local_context.weight"}
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    for name in set(after) - set(before):
+        assert after[name].abs().sum() > 0, f"{name} did not learn"
+    scratch = _run(script + _script_args(tiny_dirs, tmp_path / "scratch", 1) + ["--fresh-learning-rate", "1e-2"])
+    assert scratch.returncode == 2 and "--init-from" in scratch.stderr
+
+
+def test_fresh_parameters_must_be_the_translators():
+    translator, source, target, collate = _pair()
+    args = MoTTrainingArguments("unused", max_steps=1, use_cpu=True, fresh_learning_rate=1e-2)
+    with pytest.raises(ValueError, match="fresh_parameters"):
+        MoTTrainer(model=translator, args=args, source_model=source, target_model=target,
+                   train_dataset=[], data_collator=collate, fresh_parameters=["no.such.weight"])
 
 
 def test_accelerate_two_processes(tiny_dirs, tmp_path):

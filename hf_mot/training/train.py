@@ -73,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="source layers at the same relative depth that each target layer also reads through a linear map of "
         "its own (0: off; with --init-from: added, starting at zero, to a translator that lacks it)",
     )
+    translator.add_argument(
+        "--local-context-tokens", type=int, default=0,
+        help="previous target tokens whose representations each token also reads, through a causal linear mixer "
+        "(0: off; with --init-from: added, starting at zero, to a translator that lacks it)",
+    )
+    translator.add_argument(
+        "--fresh-learning-rate", type=float, default=None,
+        help="with --init-from: learning rate of the paths this run adds at zero (target-token reader, "
+        "depth-matched path, local mixer), so they catch up while the loaded weights move at --learning-rate "
+        "(default: --learning-rate for all)",
+    )
     translator.add_argument("--injection-mode", choices=["full", "window"], default="full")
     translator.add_argument("--injection-start", type=int, default=0)
     translator.add_argument("--injection-layers", type=int, default=None)
@@ -123,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The config field of each path `--init-from` can add, and the KVMixture attribute that holds it.
+ADDED_MODULES = {"target_embedding_size": "target_tokens", "depth_matched_layers": "depth_matched",
+                 "local_context_tokens": "local_context"}
+
 RECORD = "train_command.json"
 # Written by scripts/interpolate_translator.py instead of RECORD: the translator is a weighted mean of a run and
 # its start, not trained itself.
@@ -152,6 +167,10 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {value}.")
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
+    if args.fresh_learning_rate is not None and not args.init_from:
+        parser.error("--fresh-learning-rate is for the paths added to an --init-from translator; a translator "
+                     "trained from scratch has none. Leave it out, or use --learning-rate.")
+    fresh = []
     if args.init_from:
         translator = MoTTranslator.from_pretrained(args.init_from)
         config, added = translator.config, {}
@@ -160,9 +179,13 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
                 added["target_embedding_size"] = target.config.get_text_config(decoder=True).hidden_size
             if args.depth_matched_layers and not config.depth_matched_layers:
                 added["depth_matched_layers"] = args.depth_matched_layers
+            if args.local_context_tokens and not config.local_context_tokens:
+                added["local_context_tokens"] = args.local_context_tokens
         if added:
             # The added paths start at zero: the new translator starts as the loaded one.
             translator = MoTTranslator.from_pretrained(args.init_from, **added)
+            fresh = [name for name, _ in translator.named_parameters()
+                     if any(f".{ADDED_MODULES[field]}." in name for field in added)]
         sizes = {"hidden_size": args.hidden_size, "expert_hidden_size": args.expert_hidden_size}
         for name, size in sizes.items():
             if size is not None and size < getattr(config, name):
@@ -181,6 +204,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
             num_experts_per_token=args.num_experts_per_token, injection_mode=args.injection_mode,
             architecture=args.architecture, target_tokens=args.target_tokens,
             depth_matched_layers=args.depth_matched_layers if args.architecture == "mixture" else 0,
+            local_context_tokens=args.local_context_tokens if args.architecture == "mixture" else 0,
             injection_start=args.injection_start, injection_layers=args.injection_layers,
         )
         torch.manual_seed(args.seed)
@@ -197,11 +221,12 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         save_total_limit=args.keep_checkpoints or None,
         logging_steps=args.logging_steps, seed=args.seed, data_seed=args.seed, bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-        injection_mode=args.injection_mode, **loss_weights,
+        injection_mode=args.injection_mode, fresh_learning_rate=args.fresh_learning_rate, **loss_weights,
     )
     trainer = MoTTrainer(
         model=translator, args=training_args, source_model=source, target_model=target,
         train_dataset=train_dataset, data_collator=MoTDataCollator(source_tok, target_tok),
+        fresh_parameters=fresh,
     )
     if args.time_budget_minutes is not None:
         trainer.add_callback(TimeBudget(args.time_budget_minutes))

@@ -29,6 +29,8 @@ class MoTTrainingArguments(TrainingArguments):
             relative to the other pairs (0: question pairs train through the KV and KL terms only).
         balance_weight (`float`, *optional*, defaults to 0.01): router load-balancing term.
         injection_mode (`str`, *optional*): train for `"full"` or `"window"` mode (defaults to the config's).
+        fresh_learning_rate (`float`, *optional*): learning rate of the trainer's `fresh_parameters` (paths
+            added at zero to a trained translator); the others keep `learning_rate`.
 
     A weight of 0 switches its term off (ablations).
     """
@@ -44,6 +46,9 @@ class MoTTrainingArguments(TrainingArguments):
     )
     balance_weight: float = field(default=0.01, metadata={"help": "weight of the router load-balancing term"})
     injection_mode: str | None = field(default=None, metadata={"help": "full or window (default: config)"})
+    fresh_learning_rate: float | None = field(
+        default=None, metadata={"help": "learning rate of the fresh parameters (default: learning_rate)"}
+    )
     # The batches carry an alignment object and columns the translator's forward does not name.
     remove_unused_columns: bool = field(default=False)
     # Experts the router did not pick in a step get no gradient; DDP must know that.
@@ -108,6 +113,8 @@ class MoTTrainer(Trainer):
     Args:
         model ([`MoTTranslator`]): the translator to train (the only trainable module).
         source_model / target_model (`PreTrainedModel`): frozen here; they are not saved with checkpoints.
+        fresh_parameters (`list[str]`, *optional*): names of the translator's parameters that were added at zero
+            to a trained translator; they learn at `args.fresh_learning_rate` when it is set.
         args ([`MoTTrainingArguments`]), and any other `Trainer` argument.
 
     Example:
@@ -120,7 +127,10 @@ class MoTTrainer(Trainer):
     ```
     """
 
-    def __init__(self, *args, source_model: PreTrainedModel, target_model: PreTrainedModel, **kwargs):
+    def __init__(
+        self, *args, source_model: PreTrainedModel, target_model: PreTrainedModel,
+        fresh_parameters: list[str] | None = None, **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, MoTTrainingArguments):
             raise TypeError(f"`args` must be `MoTTrainingArguments`, got {type(self.args).__name__}.")
@@ -129,6 +139,29 @@ class MoTTrainer(Trainer):
         self.target_model = target_model.requires_grad_(False).eval().to(self.args.device)
         self.add_callback(LossCurveCallback())
         self._loss_parts: list[dict[str, float]] = []
+        names = dict(self.model.named_parameters())
+        unknown = sorted(set(fresh_parameters or ()) - set(names))
+        if unknown:
+            raise ValueError(f"`fresh_parameters` names parameters the translator does not have: {unknown[:3]}.")
+        self.fresh_parameters = [names[name] for name in fresh_parameters or ()]
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, with the fresh parameters moved to a group of their own at
+        `args.fresh_learning_rate` (the scheduler then scales both groups alike)."""
+        optimizer = super().create_optimizer(model)
+        if (self.args.fresh_learning_rate is None or not self.fresh_parameters
+                or any(group.get("fresh") for group in optimizer.param_groups)):  # split already
+            return optimizer
+        fresh = {id(param) for param in self.fresh_parameters}
+        for group in list(optimizer.param_groups):
+            moved = [param for param in group["params"] if id(param) in fresh]
+            if moved:
+                group["params"] = [param for param in group["params"] if id(param) not in fresh]
+                settings = {key: value for key, value in group.items() if key != "params"}
+                optimizer.add_param_group(
+                    {**settings, "params": moved, "lr": self.args.fresh_learning_rate, "fresh": True}
+                )
+        return optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # `model` may be wrapped (DDP); the config is read from the unwrapped translator.
