@@ -65,8 +65,10 @@ def describe_phases(run: Path) -> list[str]:
     interpolated translator (scripts/interpolate_translator.py) lists its run's phases and then that step."""
     if (run / INTERPOLATION_RECORD).exists():
         record = json.loads((run / INTERPOLATION_RECORD).read_text())
+        averaged = len(record.get("runs", [record["run"]]))
+        last = f"the mean of {averaged} of the last phase's checkpoints" if averaged > 1 else "the last phase's"
         line = (f"- `python scripts/interpolate_translator.py {' '.join(record['argv'])}`: no training; the weights "
-                f"are {record['alpha']:g} x the last phase's + {1 - record['alpha']:g} x those it started from.")
+                f"are {record['alpha']:g} x {last} + {1 - record['alpha']:g} x those it started from.")
         # Packaged again into the package its run started from, the run's phases (read back from that
         # package's card) already hold this line.
         return [phase for phase in describe_phases(Path(record["run"])) if phase != line] + [line]

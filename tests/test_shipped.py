@@ -129,3 +129,17 @@ def test_card_phases_of_an_interpolated_translator(tmp_path):
     # Shipped into the package the run started from, then packaged again: each phase is listed once.
     (package / "README.md").write_text(card + "\n" + "\n".join(phases[len(run_phases) - 1:]) + "\n")
     assert ship.describe_phases(mean) == phases
+
+
+def test_card_phase_of_averaged_checkpoints(tmp_path):
+    ship = _ship_script()
+    package, run, _, _ = _run_started_from_the_shipped_package(tmp_path)
+    mean = tmp_path / "mean"
+    mean.mkdir()
+    runs = [str(run / "checkpoint-1"), str(run / "checkpoint-2")]
+    argv = ["--start", str(package), "--run", *runs, "--alpha", "0.6667", "--output-dir", str(mean)]
+    (mean / "interpolation.json").write_text(json.dumps({"argv": argv, "start": str(package), "run": str(run),
+                                                          "runs": runs, "alpha": 0.6667}))
+    phases = ship.describe_phases(mean)
+    assert phases[:-1] == ship.describe_phases(run)
+    assert "0.6667 x the mean of 2 of the last phase's checkpoints + 0.3333 x those it started from" in phases[-1]

@@ -1,5 +1,6 @@
 """Training: the loss terms, one step, resume after a kill, two processes with accelerate."""
 
+import json
 import os
 import re
 import signal
@@ -276,6 +277,30 @@ def test_init_from_widens_a_mixture_only_and_interpolates_back(tiny_dirs, tmp_pa
     assert any(not torch.equal(start[name], run[name]) for name in run)  # the run did move its start
 
 
+def test_interpolation_averages_the_checkpoints_of_one_run(tiny_dirs, tmp_path):
+    script = [sys.executable, "-m", "hf_mot.training.train"]
+    base = _run(script + _script_args(tiny_dirs, tmp_path / "base", 1, save_steps=1))
+    assert base.returncode == 0, base.stderr[-3000:]
+    run = _run(script + _script_args(tiny_dirs, tmp_path / "run", 2, save_steps=1)
+               + ["--init-from", str(tmp_path / "base"), "--keep-checkpoints", "0"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoints = [tmp_path / "run" / f"checkpoint-{step}" for step in (1, 2)]
+    interpolate = [sys.executable, str(Path(__file__).parents[1] / "scripts" / "interpolate_translator.py"),
+                   "--start", str(tmp_path / "base"), "--alpha", "0.5", "--run", *map(str, checkpoints)]
+    mixed = _run(interpolate + ["--output-dir", str(tmp_path / "mean")])
+    assert mixed.returncode == 0, mixed.stderr[-3000:]
+    start, *states = (MoTTranslator.from_pretrained(p).state_dict() for p in [tmp_path / "base", *checkpoints])
+    weights = MoTTranslator.from_pretrained(tmp_path / "mean").state_dict()
+    for name, value in weights.items():
+        expected = 0.5 * (states[0][name] + states[1][name]) / 2 + 0.5 * start[name]
+        assert torch.allclose(value, expected, atol=1e-6), name
+    assert any(not torch.equal(states[0][name], states[1][name]) for name in start)
+    record = json.loads((tmp_path / "mean" / "interpolation.json").read_text())
+    assert record["run"] == str(tmp_path / "run") and len(record["runs"]) == 2  # the card reads the run's phases
+    other_run = _run(interpolate + [str(tmp_path / "base"), "--output-dir", str(tmp_path / "bad")])
+    assert other_run.returncode == 2 and "one run" in other_run.stderr and not (tmp_path / "bad").exists()
+
+
 def test_fresh_learning_rate_trains_only_the_added_paths_when_the_rest_is_frozen(tiny_dirs, tmp_path):
     """`--init-from` with added paths and `--fresh-learning-rate`: the added parameters get a group of their own.
     With `--learning-rate 0` only they may move; the loaded weights stay exactly as they were."""
@@ -287,7 +312,7 @@ def test_fresh_learning_rate_trains_only_the_added_paths_when_the_rest_is_frozen
     added = _run(script + args + ["--init-from", str(tmp_path / "base"), "--local-context-tokens", "2",
                                   "--learning-rate", "0", "--fresh-learning-rate", "1e-2"])
     assert added.returncode == 0, added.stderr[-3000:]
-    before, after = load_file(tmp_path / "base" / "model.safetensors"), load_file(tmp_path / "added" / "model.safetensors")
+    before, after = (load_file(tmp_path / run / "model.safetensors") for run in ("base", "added"))
     assert set(after) - set(before) == {"key_mixture.local_context.weight", "value_mixture.local_context.weight"}
     for name in before:
         assert torch.equal(before[name], after[name]), name
