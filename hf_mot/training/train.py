@@ -165,11 +165,11 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     for name, value in loss_weights.items():
         if value < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {value}.")
-    source, source_tok = load_model(args.source)
-    target, target_tok = load_model(args.target)
     if args.fresh_learning_rate is not None and not args.init_from:
         parser.error("--fresh-learning-rate is for the paths added to an --init-from translator; a translator "
                      "trained from scratch has none. Leave it out, or use --learning-rate.")
+    source, source_tok = load_model(args.source)
+    target, target_tok = load_model(args.target)
     fresh = []
     if args.init_from:
         translator = MoTTranslator.from_pretrained(args.init_from)

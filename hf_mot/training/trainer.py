@@ -148,9 +148,9 @@ class MoTTrainer(Trainer):
     def create_optimizer(self, model=None):
         """The Trainer's optimizer, with the fresh parameters moved to a group of their own at
         `args.fresh_learning_rate` (the scheduler then scales both groups alike)."""
+        created = self.optimizer is None  # the Trainer asks again later and gets the one it made
         optimizer = super().create_optimizer(model)
-        if (self.args.fresh_learning_rate is None or not self.fresh_parameters
-                or any(group.get("fresh") for group in optimizer.param_groups)):  # split already
+        if not created or self.args.fresh_learning_rate is None or not self.fresh_parameters:
             return optimizer
         fresh = {id(param) for param in self.fresh_parameters}
         for group in list(optimizer.param_groups):
@@ -158,9 +158,7 @@ class MoTTrainer(Trainer):
             if moved:
                 group["params"] = [param for param in group["params"] if id(param) not in fresh]
                 settings = {key: value for key, value in group.items() if key != "params"}
-                optimizer.add_param_group(
-                    {**settings, "params": moved, "lr": self.args.fresh_learning_rate, "fresh": True}
-                )
+                optimizer.add_param_group({**settings, "params": moved, "lr": self.args.fresh_learning_rate})
         return optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
