@@ -70,9 +70,12 @@ class TokenAlignment:
         # gather over the padded overlap slots at 1k tokens); CPU sparse kernels want float32.
         compute = torch.float32 if features.dtype == torch.bfloat16 else features.dtype
         out = []
-        for row, matrix in enumerate(self.sparse_matrices(features.device, compute)):
-            flat = features[:, row].permute(1, 0, 2).reshape(tokens, layers * dim).to(compute)
-            out.append(torch.sparse.mm(matrix, flat).view(self.num_target_tokens, layers, dim).permute(1, 0, 2))
+        # Outside autocast: under it the dense side would be cast back to bf16, and the backward of the sparse
+        # product fails on the mixed dtypes.
+        with torch.autocast(features.device.type, enabled=False):
+            for row, matrix in enumerate(self.sparse_matrices(features.device, compute)):
+                flat = features[:, row].permute(1, 0, 2).reshape(tokens, layers * dim).to(compute)
+                out.append(torch.sparse.mm(matrix, flat).view(self.num_target_tokens, layers, dim).permute(1, 0, 2))
         return torch.stack(out, dim=1).to(features.dtype)
 
 

@@ -251,7 +251,8 @@ class KVMixture(nn.Module):
             x = normed.index_select(0, rows)
             y = F.gelu(x @ self.expert_in[expert] + self.expert_in_bias[expert])
             y = y @ self.expert_out[expert] + self.expert_out_bias[expert]
-            mixed.index_add_(0, rows, y * gates[rows, slot].unsqueeze(-1))
+            # Under autocast the experts' output and the gates (a softmax, kept in float32) differ in dtype.
+            mixed.index_add_(0, rows, (y * gates[rows, slot].unsqueeze(-1)).to(mixed.dtype))
         hidden = (flat + mixed).view_as(hidden)
 
         # `out_proj` holds every produced layer's rows, layer after layer; apply them one layer at a time.

@@ -82,7 +82,10 @@ def describe_phases(run: Path) -> list[str]:
             else {"global_step": "?"}
         lines.append(
             f"- `hf-mot train {' '.join(record['argv'])}`: {state['global_step']} steps, "
-            f"{_runtime_minutes(folder):.0f} min; batch {a['batch_size']}, {a['context_words'][0]}-"
+            f"{_runtime_minutes(folder):.0f} min{', bf16 autocast' if a.get('bf16') else ''}; batch {a['batch_size']}"
+            + (f" x {a['gradient_accumulation_steps']} accumulated" if a.get("gradient_accumulation_steps", 1) > 1
+               else "")
+            + f", {a['context_words'][0]}-"
             f"{a['context_words'][1]} context words, {a['continuation_words']} continuation words; loss weights "
             f"NLL {a['nll_weight']}, KV {a['kv_weight']}, KL {a['kl_weight']}, balance {a['balance_weight']}"
             # Runs recorded before --kl-first-weight and --question-nll-weight existed ran with their defaults (1).
@@ -138,7 +141,8 @@ def main() -> None:
         "out), cut into (context, continuation) pairs. Loss terms: next-token NLL on the continuation from the "
         "translated cache; Context Correction Loss = per-layer relative KV error against the target's native "
         "cache + KL to the native next-token distributions at the continuation positions; router load balancing. "
-        "On 2 CPU cores, fp32 (the weights are stored in float16 and load as float32):\n\n"
+        "On 2 CPU cores, in fp32 unless a phase says bf16 autocast (the weights are stored in float16 and load "
+        "as float32):\n\n"
         + "\n".join(describe_phases(args.run))
         + f"\n\nFinal logged losses{' of the last training phase' if trained != args.run else ''}: "
         f"NLL {history[-1]['nll']:.3f}, KV {history[-1]['kv']:.3f}, "

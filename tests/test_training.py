@@ -126,6 +126,44 @@ def test_one_step_lowers_the_loss_on_a_fixed_batch(tmp_path, architecture):
     assert "kv" in trainer.state.log_history[0] and "kl" in trainer.state.log_history[0]
 
 
+def test_bf16_trains_and_runs_the_frozen_models_in_bf16(tmp_path):
+    """`bf16=True` autocasts the whole loss, not only the translator's forward: the frozen models are most of the
+    cost. A step must run (mixed dtypes in the mixture and the alignment once broke it) and move the weights."""
+    translator, source, target, collate = _pair()
+    start = {name: p.detach().clone() for name, p in translator.named_parameters()}
+    seen = set()
+    hook = target.lm_head.register_forward_hook(lambda module, args, out: seen.add(out.dtype))
+    args = MoTTrainingArguments(str(tmp_path), max_steps=1, learning_rate=1e-2, per_device_train_batch_size=2,
+                                bf16=True, use_cpu=True, save_strategy="no", logging_steps=1)
+    MoTTrainer(model=translator, args=args, source_model=source, target_model=target,
+               train_dataset=_examples(), data_collator=collate).train()
+    hook.remove()
+    assert seen == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in translator.parameters())
+    assert any(not torch.equal(p.detach(), start[name]) for name, p in translator.named_parameters())
+
+
+def test_gradient_accumulation_averages_the_micro_batches(tmp_path):
+    """Two accumulated micro-batches of the same pair make the step of that pair alone (plain SGD, no clipping:
+    the step is the gradient itself), not twice it."""
+    pair = _examples()[:1]
+    steps = {}
+    for accumulation in (1, 2):
+        translator, source, target, collate = _pair()
+        start = {name: p.detach().clone() for name, p in translator.named_parameters()}
+        args = MoTTrainingArguments(str(tmp_path / str(accumulation)), max_steps=1, learning_rate=1e-2,
+                                    per_device_train_batch_size=1, gradient_accumulation_steps=accumulation,
+                                    optim="sgd", max_grad_norm=0.0, lr_scheduler_type="constant", use_cpu=True,
+                                    save_strategy="no", logging_steps=1)
+        MoTTrainer(model=translator, args=args, source_model=source, target_model=target,
+                   train_dataset=pair * accumulation, data_collator=collate).train()
+        steps[accumulation] = {name: p.detach() - start[name] for name, p in translator.named_parameters()}
+    moved = [name for name, step in steps[1].items() if step.abs().max() > 0]
+    assert moved, "the step moved nothing"
+    for name in moved:
+        assert torch.allclose(steps[2][name], steps[1][name], rtol=1e-4, atol=1e-8), name
+
+
 def test_corpus_split_is_by_document_and_disjoint():
     docs = [f"document number {i} " + "word " * 60 for i in range(200)]
     splits = [document_split(d, 10) for d in docs]

@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("run")
     run.add_argument("--output-dir", required=True)
     run.add_argument("--max-steps", type=int, default=2000)
-    run.add_argument("--batch-size", type=int, default=4)
+    run.add_argument("--batch-size", type=int, default=4, help="pairs per forward pass (per process)")
+    run.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                     help="forward passes per optimizer step: the effective batch is batch size x this x processes, "
+                          "at the memory of one batch")
     run.add_argument("--learning-rate", type=float, default=1e-3)
     run.add_argument("--warmup-steps", type=int, default=50)
     run.add_argument("--save-steps", type=int, default=100)
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.gradient_accumulation_steps < 1:
+        parser.error(f"--gradient-accumulation-steps must be 1 or more, got {args.gradient_accumulation_steps}.")
     if args.keep_checkpoints < 0:
         parser.error(f"--keep-checkpoints must be 0 (keep every checkpoint) or more, got {args.keep_checkpoints}.")
     # Every loss weight has a `--X-weight` flag named after its `LossWeights` field.
@@ -216,6 +221,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     )
     training_args = MoTTrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         weight_decay=0.0, max_grad_norm=1.0, save_steps=args.save_steps,
         save_total_limit=args.keep_checkpoints or None,

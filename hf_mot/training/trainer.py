@@ -6,6 +6,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
+import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
 from .losses import LossWeights, context_correction_loss
@@ -164,9 +165,12 @@ class MoTTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # `model` may be wrapped (DDP); the config is read from the unwrapped translator.
         mode = self.args.injection_mode or self.model.config.injection_mode
-        parts = context_correction_loss(
-            model, self.source_model, self.target_model, inputs, self.args.loss_weights, mode
-        )
+        # `bf16` autocasts the translator's forward only (accelerate wraps it); the frozen models run here, and
+        # they are most of the cost.
+        with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.args.bf16):
+            parts = context_correction_loss(
+                model, self.source_model, self.target_model, inputs, self.args.loss_weights, mode
+            )
         self._loss_parts.append(parts.detached())
         return (parts.total, {"loss": parts.total}) if return_outputs else parts.total
 
