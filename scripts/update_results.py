@@ -1,7 +1,7 @@
 """Regenerate the README's Results section from the benchmark outputs in `benchmarks/results/`.
 
     python scripts/update_results.py          # rewrite the section from the existing results
-    python scripts/update_results.py --run    # run the benchmarks first (about 45 minutes on 2 CPU cores)
+    python scripts/update_results.py --run    # run the benchmarks first (about 50 minutes on 2 CPU cores)
 
 The section sits between the `<!-- results:start -->` and `<!-- results:end -->` markers of README.md.
 """
@@ -25,6 +25,7 @@ RUNS = [
     [sys.executable, "benchmarks/translation_cost.py", "--lengths", "256", "1024", "2048", "4096", "--trials", "3"],
     [sys.executable, "-m", "hf_mot.cli", "evaluate", "--translator", SHIPPED, "--limit", "12", "--lengths", "512",
      "1024", "2048", "4096", "--native-tail", "16", "--output-dir", "benchmarks/results/evaluation"],
+    [sys.executable, "benchmarks/layer_attribution.py", "--translator", SHIPPED],
 ]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
@@ -128,6 +129,30 @@ def failure_modes() -> list[str]:
     ]
 
 
+def layer_attribution() -> list[str]:
+    report = load_result("layer_attribution.json")
+    if report is None:
+        return []
+    groups = {name: r for name, r in report["results"].items() if not name.startswith("layer ")}
+    return [
+        "### Where the translation error sits",
+        "",
+        f"`{report['command'].strip()}`; `{report['translator']}`, {report['data']}. Each row puts some target layers "
+        "of the full-mode cache back to the target's own keys and values and scores the continuation again: "
+        "what that recovers is what the translation of those layers costs.",
+        "",
+        "| put back to native | top-1 agreement | KL | KL removed |",
+        "|---|---|---|---|",
+        *(f"| {name} | {100 * r['top1_agreement']:.1f}% | {r['kl']:.3f} | "
+          f"{100 * (1 - r['kl'] / groups['translated']['kl']):.0f}% |" for name, r in groups.items()),
+        "",
+        "One layer at a time (red: the full-attention layers):",
+        "",
+        "![layer attribution](benchmarks/results/layer_attribution.png)",
+        "",
+    ]
+
+
 def evaluation_caveat() -> list[str]:
     """A line saying so when the QA tables were measured on another translator than the shipped one."""
     measured = json.loads((RESULTS / "evaluation" / "evaluation.json").read_text())["translator"]
@@ -140,11 +165,12 @@ def evaluation_caveat() -> list[str]:
 def section() -> str:
     evaluation = (RESULTS / "evaluation" / "evaluation.md").read_text()
     return "\n".join([
-        "Regenerate with `python scripts/update_results.py --run` (about 45 minutes on this machine).",
+        "Regenerate with `python scripts/update_results.py --run` (about 50 minutes on this machine).",
         "",
         *fidelity(),
         *ablations(),
         *failure_modes(),
+        *layer_attribution(),
         "### QA, long context and multi-agent reuse",
         "",
         *evaluation_caveat(),
