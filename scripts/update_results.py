@@ -137,7 +137,7 @@ def layer_attribution() -> list[str]:
     return [
         "### Where the translation error sits",
         "",
-        f"`{report['command'].strip()}`; `{report['translator']}`, {report['data']}. Each row puts some target layers "
+        f"`{report['command']}`; `{report['translator']}`, {report['data']}. Each row puts some target layers "
         "of the full-mode cache back to the target's own keys and values and scores the continuation again: "
         "what that recovers is what the translation of those layers costs.",
         "",
