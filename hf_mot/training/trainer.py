@@ -106,8 +106,8 @@ def write_loss_curve(log_history: list[dict], output_dir: str) -> str | None:
     return path
 
 
-# `torch.backends.cpu.get_cpu_capability()` values where bf16 matmuls have no hardware path (AVX-512 BF16 / AMX
-# report "AVX512").
+# `torch.backends.cpu.get_cpu_capability()` values where bf16 matmuls have no hardware path. Every AVX-512 CPU
+# reports "AVX512", with or without AVX-512 BF16 / AMX, so those are not warned about.
 SLOW_BF16_CPUS = ("DEFAULT", "AVX2")
 
 
