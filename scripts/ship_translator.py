@@ -88,11 +88,14 @@ def describe_phases(run: Path) -> list[str]:
             + f", {a['context_words'][0]}-"
             f"{a['context_words'][1]} context words, {a['continuation_words']} continuation words; loss weights "
             f"NLL {a['nll_weight']}, KV {a['kv_weight']}, KL {a['kl_weight']}, balance {a['balance_weight']}"
-            # Runs recorded before --kl-first-weight and --question-nll-weight existed ran with their defaults (1).
+            # Runs recorded before --kl-first-weight, --question-nll-weight and --kv-full-attention-weight existed ran
+            # with their defaults (1).
             + (f", KL at the first continuation position x{a['kl_first_weight']}"
                if a.get("kl_first_weight", 1.0) != 1.0 else "")
             + (f", NLL on question pairs x{a['question_nll_weight']}"
-               if a.get("question_nll_weight", 1.0) != 1.0 else "") + "."
+               if a.get("question_nll_weight", 1.0) != 1.0 else "")
+            + (f", KV of full-attention layers x{a['kv_full_attention_weight']}"
+               if a.get("kv_full_attention_weight", 1.0) != 1.0 else "") + "."
             + _added_paths(folder, a.get("init_from"))
         )
         parent, record = a.get("init_from"), record.get("init_from_record")

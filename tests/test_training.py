@@ -112,6 +112,35 @@ def test_question_nll_weight_scales_the_next_token_loss_of_question_pairs_only()
         LossWeights(question_nll=-1.0)
 
 
+def test_kv_full_attention_weight_weighs_the_full_attention_layers_in_the_kv_term():
+    translator, source, target, collate = _pair()
+    batch = collate(_examples())
+    assert target.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+
+    def kv(weight):
+        with torch.no_grad():
+            return context_correction_loss(translator, source, target, batch, LossWeights(
+                nll=0.0, kl=0.0, balance=0.0, kv_full_attention=weight), "full").kv.item()
+
+    # kv(w) = (S + w F) / (2 + w), with S the two sliding layers' errors summed and F the full layer's.
+    sliding_sum = 2 * kv(0.0)
+    full = 3 * kv(1.0) - sliding_sum
+    assert full > 0 and sliding_sum > 0 and full != pytest.approx(sliding_sum / 2, rel=1e-3)
+    assert kv(4.0) == pytest.approx((sliding_sum + 4 * full) / 6, rel=1e-5)
+    # A target of full-attention layers only has nothing to weigh: the weight changes nothing.
+    everywhere = tiny_model("llama", seed=2)
+    config = MoTConfig.from_models(source.config, everywhere.config, source_tokenizer=char_tokenizer(),
+                                   target_tokenizer=bpe_tokenizer(), hidden_size=16, expert_hidden_size=16)
+    torch.manual_seed(0)
+    plain = MoTTranslator(config)
+    with torch.no_grad():
+        terms = [context_correction_loss(plain, source, everywhere, batch, LossWeights(
+            nll=0.0, kl=0.0, balance=0.0, kv_full_attention=weight), "full").kv.item() for weight in (0.0, 1.0, 4.0)]
+    assert terms[0] > 0 and terms == pytest.approx([terms[1]] * 3)
+    with pytest.raises(ValueError, match="0 \\(off\\) or more"):
+        LossWeights(kv_full_attention=-1.0)
+
+
 @pytest.mark.parametrize("architecture", ["mixture", "per_layer"])
 def test_one_step_lowers_the_loss_on_a_fixed_batch(tmp_path, architecture):
     translator, source, target, collate = _pair(architecture=architecture)

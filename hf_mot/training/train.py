@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the next-token loss on question pairs counts this much against the other pairs (0: they train "
         "through the KV and KL terms only, toward the native target's answer rather than the data's)",
     )
+    losses.add_argument(
+        "--kv-full-attention-weight", type=float, default=1.0,
+        help="inside the KV term, the target's full-attention layers count this much against its sliding-window "
+        "layers: only they reach past the window on long contexts (1: every layer alike)",
+    )
     losses.add_argument("--balance-weight", type=float, default=0.01)
     run = parser.add_argument_group("run")
     run.add_argument("--output-dir", required=True)

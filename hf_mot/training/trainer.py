@@ -29,6 +29,8 @@ class MoTTrainingArguments(TrainingArguments):
             position counts, the excess halving at each later position (last-state shift; 1: uniform).
         question_nll_weight (`float`, *optional*, defaults to 1.0): the next-token loss on question pairs,
             relative to the other pairs (0: question pairs train through the KV and KL terms only).
+        kv_full_attention_weight (`float`, *optional*, defaults to 1.0): inside the KV term, the weight of the
+            target's full-attention layers against its sliding-window layers (1: every layer alike).
         balance_weight (`float`, *optional*, defaults to 0.01): router load-balancing term.
         injection_mode (`str`, *optional*): train for `"full"` or `"window"` mode (defaults to the config's).
         fresh_learning_rate (`float`, *optional*): learning rate of the trainer's `fresh_parameters` (paths
@@ -45,6 +47,9 @@ class MoTTrainingArguments(TrainingArguments):
     )
     question_nll_weight: float = field(
         default=1.0, metadata={"help": "weight of the next-token loss on question pairs, relative to the others"}
+    )
+    kv_full_attention_weight: float = field(
+        default=1.0, metadata={"help": "weight of full-attention layers against sliding-window ones in the KV term"}
     )
     balance_weight: float = field(default=0.01, metadata={"help": "weight of the router load-balancing term"})
     injection_mode: str | None = field(default=None, metadata={"help": "full or window (default: config)"})
@@ -64,7 +69,8 @@ class MoTTrainingArguments(TrainingArguments):
     @property
     def loss_weights(self) -> LossWeights:
         return LossWeights(nll=self.nll_weight, kv=self.kv_weight, kl=self.kl_weight, balance=self.balance_weight,
-                           kl_first=self.kl_first_weight, question_nll=self.question_nll_weight)
+                           kl_first=self.kl_first_weight, question_nll=self.question_nll_weight,
+                           kv_full_attention=self.kv_full_attention_weight)
 
 
 class LossCurveCallback(TrainerCallback):
