@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from .._compat import cache_kwarg
-from ..kv import positions_from_mask, read_source_cache
+from ..kv import KVLayout, positions_from_mask, read_source_cache
 from ..modeling_mot import MoTTranslator
 from ..pipeline import EncodedContext, fill_translated_cache, read_into_cache, run_translator
 
@@ -141,8 +141,9 @@ def context_correction_loss(
 
     zero = out.aux_loss.new_zeros(())
     layers = sorted(translated_kv)
-    layer_types = getattr(target_model.config, "layer_types", None) or ["full_attention"] * len(native_kv)
-    full = [layer_types[i] == "full_attention" for i in layers]
+    # The layout reads the text config, where multimodal targets keep their layer types.
+    layer_types = KVLayout.from_config(target_model.config).layer_types
+    full = [not layer_types or layer_types[i] == "full_attention" for i in layers]
     # Only a mix of layer types has anything to weigh (and a weight of 0 must not zero the whole term).
     layer_weights = [weights.kv_full_attention if f else 1.0 for f in full] if not all(full) else [1.0] * len(full)
     kv = (
