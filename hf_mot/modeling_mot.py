@@ -22,11 +22,17 @@ from .configuration_mot import MoTConfig
 from .kv import KVLayout, tokenizer_fingerprint
 
 # Repo ids of the translators shipped inside the package, and their folders under `hf_mot/pretrained/`.
-SHIPPED_TRANSLATORS = {"hf-mot/smollm2-135m-to-gemma3-270m": "smollm2-135m-to-gemma3-270m"}
+SHIPPED_TRANSLATORS = {
+    "hf-mot/smollm2-135m-to-gemma3-270m": "smollm2-135m-to-gemma3-270m",
+    "hf-mot/gemma3-270m-to-smollm2-135m": "gemma3-270m-to-smollm2-135m",
+}
 
 
 # The translator `hf-mot generate` uses when a (source, target) pair is given without `--translator`.
-DEFAULT_TRANSLATORS = {("smollm2-135m", "gemma3-270m"): "hf-mot/smollm2-135m-to-gemma3-270m"}
+DEFAULT_TRANSLATORS = {
+    ("smollm2-135m", "gemma3-270m"): "hf-mot/smollm2-135m-to-gemma3-270m",
+    ("gemma3-270m", "smollm2-135m"): "hf-mot/gemma3-270m-to-smollm2-135m",
+}
 
 
 def shipped_translator_dir(repo_id: str) -> str | None:

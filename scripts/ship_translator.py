@@ -167,9 +167,9 @@ def main() -> None:
                     f"| {100 * s[mode]['top1_agreement']:.1f}% |"
                 )
         evaluation = (
-            f"Held-out LM fidelity ({fidelity['data']}), measured with `{fidelity['command']}`. Window mode injects "
-            f"target layers {fidelity['window'][0]}-{sum(fidelity['window']) - 1} of this full-mode translator "
-            "into the target's own pass."
+            f"Held-out LM fidelity ({fidelity['data']}), measured with `{fidelity['command']}`."
+            + (f" Window mode injects target layers {fidelity['window'][0]}-{sum(fidelity['window']) - 1} of this "
+               "full-mode translator into the target's own pass." if "window" in modes else "")
             + (" `full+tailK` is full mode with the last K context tokens read by the target itself "
                "(`translate_context(..., native_tail=K)`)." if any("+tail" in m for m in modes) else "")
             + "\n\n" + "\n".join(lines)

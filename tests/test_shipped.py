@@ -13,37 +13,47 @@ import hf_mot
 from hf_mot.modeling_mot import shipped_translator_dir
 
 REPO_ID = "hf-mot/smollm2-135m-to-gemma3-270m"
+REVERSE_ID = "hf-mot/gemma3-270m-to-smollm2-135m"
+# Each shipped translator: repo id, (source, target) fixture names, the target's Hub id and its layer counts.
+SHIPPED = [
+    pytest.param(REPO_ID, ("smollm2", "gemma3"), "google/gemma-3-270m", ["30", "18", "gemma3_text"], id="forward"),
+    pytest.param(REVERSE_ID, ("gemma3", "smollm2"), "HuggingFaceTB/SmolLM2-135M-Instruct", ["18", "30", "llama"],
+                 id="reverse"),
+]
 
 
-def test_ships_small_with_a_card():
-    folder = Path(shipped_translator_dir(REPO_ID))
+@pytest.mark.parametrize("repo_id, pair, target_hub_id, layers", SHIPPED)
+def test_ships_small_with_a_card(repo_id, pair, target_hub_id, layers):
+    folder = Path(shipped_translator_dir(repo_id))
     assert folder.parent == Path(hf_mot.__file__).parent / "pretrained"
     assert (folder / "model.safetensors").stat().st_size <= 32 * 2**20
     card = (folder / "README.md").read_text()
-    assert "library_name: hf_mot" in card and "google/gemma-3-270m" in card and "model-index" in card
+    assert "library_name: hf_mot" in card and target_hub_id in card and "model-index" in card
 
 
-def test_loads_by_repo_id_offline(tmp_path):
+@pytest.mark.parametrize("repo_id, pair, target_hub_id, layers", SHIPPED)
+def test_loads_by_repo_id_offline(tmp_path, repo_id, pair, target_hub_id, layers):
     code = (
         "from hf_mot import MoTTranslator\n"
-        f"t = MoTTranslator.from_pretrained('{REPO_ID}')\n"
+        f"t = MoTTranslator.from_pretrained('{repo_id}')\n"
         "print(t.config.source['num_layers'], t.config.target['num_layers'], t.config.target['model_type'], t.dtype)\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     # Stored in float16 to stay small; loaded as float32 unless the caller asks for another dtype.
-    assert result.stdout.split() == ["30", "18", "gemma3_text", "torch.float32"]
+    assert result.stdout.split() == [*layers, "torch.float32"]
     assert not any(tmp_path.iterdir()), "nothing should have been downloaded into the Hub cache"
 
 
 @pytest.mark.real_models
-def test_beats_no_context_on_held_out_text(smollm2, gemma3):
+@pytest.mark.parametrize("repo_id, pair, target_hub_id, layers", SHIPPED)
+def test_beats_no_context_on_held_out_text(request, repo_id, pair, target_hub_id, layers):
     from hf_mot import MoTTranslator
     from hf_mot.evaluation import evaluate_fidelity, heldout_examples, summarize
 
-    (source, source_tok), (target, target_tok) = smollm2, gemma3
-    translator = MoTTranslator.from_pretrained(REPO_ID).eval()
+    (source, source_tok), (target, target_tok) = (request.getfixturevalue(name) for name in pair)
+    translator = MoTTranslator.from_pretrained(repo_id).eval()
     examples = heldout_examples(target_tok, lengths=(64,), per_length=6)
     rows = evaluate_fidelity(
         examples, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
@@ -64,8 +74,9 @@ def test_info_reports_the_measured_figures_offline(tmp_path):
 
 
 @pytest.mark.real_models
-def test_the_card_usage_snippet_runs(tmp_path):
-    card = (Path(shipped_translator_dir(REPO_ID)) / "README.md").read_text()
+@pytest.mark.parametrize("repo_id, pair, target_hub_id, layers", SHIPPED)
+def test_the_card_usage_snippet_runs(tmp_path, repo_id, pair, target_hub_id, layers):
+    card = (Path(shipped_translator_dir(repo_id)) / "README.md").read_text()
     snippet = card.split("```python\n", 1)[1].split("```", 1)[0]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True, text=True, timeout=600,
