@@ -21,18 +21,14 @@ from .alignment import TokenAlignment
 from .configuration_mot import MoTConfig
 from .kv import KVLayout, tokenizer_fingerprint
 
-# Repo ids of the translators shipped inside the package, and their folders under `hf_mot/pretrained/`.
-SHIPPED_TRANSLATORS = {
-    "hf-mot/smollm2-135m-to-gemma3-270m": "smollm2-135m-to-gemma3-270m",
-    "hf-mot/gemma3-270m-to-smollm2-135m": "gemma3-270m-to-smollm2-135m",
-}
-
-
-# The translator `hf-mot generate` uses when a (source, target) pair is given without `--translator`.
+# The translator `hf-mot generate` uses when a (source, target) pair is given without `--translator`: each one ships
+# inside the package.
 DEFAULT_TRANSLATORS = {
     ("smollm2-135m", "gemma3-270m"): "hf-mot/smollm2-135m-to-gemma3-270m",
     ("gemma3-270m", "smollm2-135m"): "hf-mot/gemma3-270m-to-smollm2-135m",
 }
+# Repo ids of the shipped translators, and their folders under `hf_mot/pretrained/` (the repo's name).
+SHIPPED_TRANSLATORS = {repo_id: repo_id.split("/", 1)[1] for repo_id in DEFAULT_TRANSLATORS.values()}
 
 
 def shipped_translator_dir(repo_id: str) -> str | None:
