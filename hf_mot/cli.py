@@ -24,12 +24,29 @@ def _read_context(args: argparse.Namespace) -> str:
     return args.context
 
 
+DEFAULT_SOURCE, DEFAULT_TARGET = "smollm2-135m", "gemma3-270m"
+
+
 def _load_pair(args: argparse.Namespace):
     """The source, target and translator named on the command line (the shipped default if none is named), and
-    the translator's name."""
+    the translator's name. A translator named without --source/--target brings the models it was built for."""
     from . import MoTConfig, MoTTranslator, load_model
     from .modeling_mot import DEFAULT_TRANSLATORS
 
+    translator, recorded = None, set()
+    if args.translator not in (None, UNTRAINED):
+        translator = MoTTranslator.from_pretrained(args.translator)
+        for side in ("source", "target"):
+            if getattr(args, side) is None:
+                name = getattr(translator.config, f"{side}_layout").name_or_path
+                if not name:
+                    raise ValueError(
+                        f"{args.translator} does not record its {side} model: pass --{side} NAME_OR_PATH."
+                    )
+                setattr(args, side, name)
+                recorded.add(side)
+    args.source = args.source or DEFAULT_SOURCE
+    args.target = args.target or DEFAULT_TARGET
     name = args.translator or DEFAULT_TRANSLATORS.get((args.source, args.target))
     if name is None:
         raise ValueError(
@@ -37,15 +54,26 @@ def _load_pair(args: argparse.Namespace):
             f"with `hf-mot train`), or --translator {UNTRAINED} to see the mechanics with a random one."
         )
     print(f"Loading source {args.source}, target {args.target} and translator {name} ...", file=sys.stderr)
-    source, source_tok = load_model(args.source)
-    target, target_tok = load_model(args.target)
+    loaded = []
+    for side in ("source", "target"):
+        try:
+            loaded.extend(load_model(getattr(args, side)))
+        except Exception as error:
+            if side not in recorded:
+                raise
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(
+                f"{args.translator} was built for {side} {getattr(args, side)!r} (from its config), which does not "
+                f"load here ({first_line}): pass --{side} NAME_OR_PATH."
+            ) from error
+    source, source_tok, target, target_tok = loaded
     if name == UNTRAINED:
         print("warning: a randomly initialised translator shows the mechanics, not the quality.", file=sys.stderr)
         config = MoTConfig.from_models(
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok
         )
         translator = MoTTranslator(config)
-    else:
+    elif translator is None:
         translator = MoTTranslator.from_pretrained(name)
     translator.check_pair(source, target, source_tok, target_tok)
     return source, source_tok, target, target_tok, translator.eval(), name
@@ -190,8 +218,14 @@ def _add_pair_arguments(parser: argparse.ArgumentParser, *, context: bool) -> No
         text = parser.add_mutually_exclusive_group(required=True)
         text.add_argument("--context", help="context text")
         text.add_argument("--context-file", help="file holding the context text (UTF-8)")
-    parser.add_argument("--source", default="smollm2-135m", help="source model: embedded name, path or repo id")
-    parser.add_argument("--target", default="gemma3-270m", help="target model: embedded name, path or repo id")
+    parser.add_argument(
+        "--source", default=None,
+        help=f"source model: embedded name, path or repo id (default: the translator's own, else {DEFAULT_SOURCE})",
+    )
+    parser.add_argument(
+        "--target", default=None,
+        help=f"target model: embedded name, path or repo id (default: the translator's own, else {DEFAULT_TARGET})",
+    )
     parser.add_argument(
         "--translator", default=None,
         help=f"translator path or repo id (default: the one shipped for the pair; '{UNTRAINED}': a random one)",

@@ -47,6 +47,12 @@ class MoTConfig(PretrainedConfig):
         local_context_tokens (`int`, *optional*, defaults to 0): when > 0, each target token's representation
             also reads the representations of this many target tokens before it (a causal linear mixer, before
             the router). Otherwise every target token is translated from its own aligned source features only.
+        layer_mlp_layers (`list[int]`, *optional*, defaults to `[]`): target layers that each get an MLP of their
+            own in each mixture, added to the layer's output. It reads the mixture's shared representation and,
+            with `depth_matched_layers`, the depth-matched source features: nonlinear capacity for layers that
+            need more than the shared representation gives them (Gemma 3's full-attention layers, the only ones
+            that reach past its sliding window). Its output starts at zero.
+        layer_mlp_size (`int`, *optional*, defaults to 512): inner width of each of those MLPs.
         architecture (`str`, *optional*, defaults to `"mixture"`): `"mixture"` is the Mixture of Translators;
             `"per_layer"` is the Cache-to-Cache-style baseline (one MLP per target layer over one source layer's
             keys and values, `expert_hidden_size` wide; no router).
@@ -79,6 +85,8 @@ class MoTConfig(PretrainedConfig):
     target_embedding_size: int | None = None
     depth_matched_layers: int = 0
     local_context_tokens: int = 0
+    layer_mlp_layers: list[int] | None = None
+    layer_mlp_size: int = 512
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -92,7 +100,8 @@ class MoTConfig(PretrainedConfig):
         for name in ("depth_matched_layers", "local_context_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be >= 0 (0: off), got {getattr(self, name)}.")
-        for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token"):
+        self.layer_mlp_layers = sorted(self.layer_mlp_layers or [])
+        for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "layer_mlp_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if self.num_experts_per_token > self.num_experts:
@@ -126,6 +135,15 @@ class MoTConfig(PretrainedConfig):
                 "`local_context_tokens` needs `architecture='mixture'`: the per-layer baseline reads each token on "
                 "its own. Leave it at 0."
             )
+        if self.layer_mlp_layers:
+            if self.architecture != "mixture":
+                raise ValueError("`layer_mlp_layers` needs `architecture='mixture'`. Leave it empty.")
+            outside = [layer for layer in self.layer_mlp_layers if not start <= layer < start + count]
+            if outside or len(set(self.layer_mlp_layers)) != len(self.layer_mlp_layers):
+                raise ValueError(
+                    f"`layer_mlp_layers` must name distinct target layers this translator produces "
+                    f"([{start}, {start + count})), got {self.layer_mlp_layers}."
+                )
         if self.target_embedding_size is not None and self.architecture != "mixture":
             raise ValueError(
                 "`target_embedding_size` (reading the target's tokens) needs `architecture='mixture'`; the "

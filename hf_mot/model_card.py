@@ -24,6 +24,7 @@ def render_model_card(
     source_load_name: str | None = None,
     target_load_name: str | None = None,
     training_description: str = "Not recorded for this translator.",
+    usage_prompt: str = " Question: Who built the tower? Answer:",
     evaluation_description: str = "Not evaluated yet: `hf-mot evaluate --translator PATH` measures it.",
     fidelity: dict | None = None,
     qa: dict | None = None,
@@ -31,8 +32,10 @@ def render_model_card(
     datasets: list[str] | None = None,
     license: str = "apache-2.0",
 ) -> ModelCard:
-    """Render the card of a translator. `fidelity` (from `hf_mot.evaluation.summarize`, keyed by mode) and `qa`
-    (task -> summary from `hf-mot evaluate`'s `evaluation.json`) become the card's `model-index`."""
+    """Render the card of a translator. `usage_prompt` is what the usage snippet asks the target about its
+    one-sentence document (a completion prompt suits a target that does not follow the QA frame). `fidelity`
+    (from `hf_mot.evaluation.summarize`, keyed by mode) and `qa` (task -> summary from `hf-mot evaluate`'s
+    `evaluation.json`) become the card's `model-index`."""
     source, target = config.source_layout, config.target_layout
     depth_matched = (
         f", a depth-matched path from {config.depth_matched_layers} source layers per target layer"
@@ -40,6 +43,10 @@ def render_model_card(
     ) + (
         f", a local mixer over the {config.local_context_tokens} previous target tokens"
         if config.local_context_tokens else ""
+    ) + (
+        f", MLPs of their own ({config.layer_mlp_size} wide) for target layers "
+        f"{', '.join(map(str, config.layer_mlp_layers))}"
+        if config.layer_mlp_layers else ""
     )
     eval_results = []
     for mode, summary in (fidelity or {}).items():
@@ -94,4 +101,5 @@ def render_model_card(
         target_load_name=target_load_name or target.name_or_path or "TARGET_MODEL",
         training_description=training_description,
         evaluation_description=evaluation_description,
+        usage_prompt=usage_prompt,
     )

@@ -98,20 +98,60 @@ class DepthMatchedPath(nn.Module):
         init.zeros_(self.weight)
         init.zeros_(self.bias)
 
-    def forward(
+    def aligned_inputs(
         self, source: torch.Tensor, alignment: TokenAlignment, index: int, last_tokens: int | None = None
     ) -> torch.Tensor:
-        """The contribution to produced layer `index`: `(batch, source_tokens, source_layers, features)` ->
-        `(batch, target_tokens, target_features)`, or only the last `last_tokens` target tokens. One layer at a
-        time, so that no tensor of every produced layer's inputs is ever built (at 4k tokens that alone was
-        over 200 MB)."""
+        """The source layers read for produced layer `index`, aligned to target tokens: `(batch, source_tokens,
+        source_layers, features)` -> `(batch, target_tokens, count * features)`, or only the last `last_tokens`
+        target tokens. One layer at a time, so that no tensor of every produced layer's inputs is ever built
+        (at 4k tokens that alone was over 200 MB)."""
         first, last = self.source_layers[index][0], self.source_layers[index][-1]
         batch, tokens = source.shape[:2]
         inputs = source[:, :, first : last + 1].reshape(batch, tokens, -1)  # consecutive layers, layer-major
         aligned = alignment.apply(inputs[None])[0]
-        if last_tokens is not None:
-            aligned = aligned[:, -last_tokens:]
+        return aligned if last_tokens is None else aligned[:, -last_tokens:]
+
+    def forward(self, aligned: torch.Tensor, index: int) -> torch.Tensor:
+        """The contribution to produced layer `index` from its `aligned_inputs`: `(batch, target_tokens,
+        target_features)`."""
         return F.linear(aligned, self.weight[index].t(), self.bias[index])
+
+
+class LayerMLPs(nn.Module):
+    """An MLP of its own for each of a few produced target layers, added to the layer's output.
+
+    The mixture's experts run once per token and are shared by every layer; the shared representation and the
+    linear paths then give each layer a linear read of it. Some layers need more: Gemma 3's full-attention
+    layers carry 40% of the translated cache's KL while being 3 of its 18 layers (benchmarks/results/
+    layer_attribution.json), and only they reach past its sliding window. Each MLP reads the layer-normed
+    shared representation, next to the layer's depth-matched source features when the mixture has them. The
+    output weights start at zero, so adding the MLPs to a trained translator starts from exactly that
+    translator; the parameters sit on the module itself, as for [`TargetTokenReader`].
+    """
+
+    def __init__(self, layers: list[int], first_produced: int, input_size: int, size: int, output_size: int):
+        super().__init__()
+        self.slots = {layer - first_produced: slot for slot, layer in enumerate(layers)}  # produced index -> slot
+        count = len(layers)
+        self.weight_in = nn.Parameter(torch.empty(count, input_size, size))
+        self.bias_in = nn.Parameter(torch.empty(count, size))
+        self.weight_out = nn.Parameter(torch.empty(count, size, output_size))
+        self.bias_out = nn.Parameter(torch.empty(count, output_size))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.normal_(self.weight_in, std=self.weight_in.shape[1] ** -0.5)
+        for param in (self.bias_in, self.weight_out, self.bias_out):
+            init.zeros_(param)
+
+    def forward(self, hidden: torch.Tensor, matched: torch.Tensor | None, index: int) -> torch.Tensor:
+        """The contribution to produced layer `index` (which must have an MLP): `hidden` `(batch, tokens,
+        hidden_size)` and, if the mixture is depth-matched, `matched` `(batch, tokens, features)`."""
+        slot = self.slots[index]
+        inputs = hidden if matched is None else torch.cat((hidden, matched.to(hidden.dtype)), dim=-1)
+        inputs = F.layer_norm(inputs, inputs.shape[-1:])
+        inner = F.gelu(inputs @ self.weight_in[slot] + self.bias_in[slot])
+        return inner @ self.weight_out[slot] + self.bias_out[slot]
 
 
 class LocalTokenMixer(nn.Module):
@@ -192,6 +232,11 @@ class KVMixture(nn.Module):
         self.local_context = None
         if config.local_context_tokens:
             self.local_context = LocalTokenMixer(config.local_context_tokens, d)
+        self.layer_mlps = None
+        if config.layer_mlp_layers:
+            matched = config.depth_matched_layers * source.feature_size
+            self.layer_mlps = LayerMLPs(config.layer_mlp_layers, start, d + matched, config.layer_mlp_size,
+                                        target.feature_size)
 
     @torch.no_grad()
     def reset_parameters(self, identity: bool, std: float) -> None:
@@ -264,9 +309,14 @@ class KVMixture(nn.Module):
         out = []
         for index in range(count):
             last = None if last_tokens is None else last_tokens[index]
-            layer = F.linear(hidden if last is None else hidden[:, -last:], weights[index], biases[index])
+            read = hidden if last is None else hidden[:, -last:]
+            layer = F.linear(read, weights[index], biases[index])
+            matched = None
             if self.depth_matched is not None:
-                layer = layer + self.depth_matched(source, alignment, index, last)
+                matched = self.depth_matched.aligned_inputs(source, alignment, index, last)
+                layer = layer + self.depth_matched(matched, index)
+            if self.layer_mlps is not None and index in self.layer_mlps.slots:
+                layer = layer + self.layer_mlps(read, matched, index)
             out.append(layer)
         return out, self._load_balancing_loss(logits, chosen)
 
@@ -289,6 +339,9 @@ def widen_mixture(narrow: KVMixture, wide: KVMixture, std: float) -> None:
     """
     d, h = narrow.expert_in.shape[1:]
     width, hidden = wide.expert_in.shape[1:]
+    if narrow.layer_mlps is not None:
+        # Their layer norm reads the shared representation: zero-padding it would change what they compute.
+        raise ValueError("A mixture with layer MLPs cannot be widened: widen first, then add the layer MLPs.")
     if width < d or hidden < h or wide.num_experts != narrow.num_experts or wide.produced != narrow.produced:
         raise ValueError(
             f"Can only widen a mixture (hidden {d} -> {width}, experts {h} -> {hidden}, same number of experts "
@@ -569,7 +622,7 @@ class MoTTranslator(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):
             module.reset_parameters(identity=self.config.init == "identity", std=self.config.initializer_range)
-        elif isinstance(module, (TargetTokenReader, DepthMatchedPath, LocalTokenMixer)):
+        elif isinstance(module, (TargetTokenReader, DepthMatchedPath, LocalTokenMixer, LayerMLPs)):
             module.reset_parameters()
         elif isinstance(module, PerLayerProjector):
             module.reset_parameters()

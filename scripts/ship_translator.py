@@ -41,7 +41,7 @@ def _runtime_minutes(run: Path) -> float:
 
 # Translator paths a phase may add (at zero) to the translator it starts from, and how the card names them.
 ADDED_PATHS = {"target_embedding_size": "the target-token reader", "depth_matched_layers": "the depth-matched path",
-               "local_context_tokens": "the local token mixer"}
+               "local_context_tokens": "the local token mixer", "layer_mlp_layers": "the layer MLPs"}
 
 
 def _added_paths(folder: Path, parent: str | None) -> str:
@@ -128,6 +128,11 @@ def main() -> None:
     parser.add_argument("--repo-id", required=True, choices=sorted(SHIPPED_TRANSLATORS))
     parser.add_argument("--source", required=True, help="load name of the source model")
     parser.add_argument("--target", required=True, help="load name of the target model")
+    parser.add_argument(
+        "--usage-prompt", default=" Question: Who built the tower? Answer:",
+        help="the prompt of the card's usage snippet; give a completion prompt (' The tower was built by') to a "
+        "target that does not follow the QA frame",
+    )
     args = parser.parse_args()
 
     translator = MoTTranslator.from_pretrained(args.run)
@@ -183,7 +188,7 @@ def main() -> None:
         evaluation += f"\n\nQA and long-context tasks (`{report['command']}`):\n\n" + table
     card = render_model_card(
         translator.config, args.repo_id, source_load_name=args.source, target_load_name=args.target,
-        training_description=training, evaluation_description=evaluation,
+        training_description=training, evaluation_description=evaluation, usage_prompt=args.usage_prompt,
         fidelity=overall, qa=qa,
         parameters=parameters,
         datasets=list(TRAINING_DATASETS),

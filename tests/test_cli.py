@@ -5,6 +5,7 @@ import sys
 
 import pytest
 from conftest import CONTEXTS, char_tokenizer, tiny_model
+from transformers import AutoConfig
 
 from hf_mot import MoTConfig, MoTTranslator
 
@@ -19,6 +20,9 @@ def dirs(tmp_path_factory):
     config = MoTConfig.from_models(source.config, target.config, source_tokenizer=char_tokenizer(),
                                    target_tokenizer=char_tokenizer(), hidden_size=16)
     MoTTranslator(config).save_pretrained(root / "translator")
+    # Built from the saved models' configs, this one records where its models are.
+    saved = [AutoConfig.from_pretrained(root / name) for name in ("src", "tgt")]
+    MoTTranslator(MoTConfig.from_models(*saved, hidden_size=16)).save_pretrained(root / "translator_with_models")
     (root / "doc.txt").write_text(CONTEXTS[0])
     return root
 
@@ -48,6 +52,21 @@ def test_generate_with_a_native_tail(dirs):
                      dirs / "translator", "--context", "Hi.", "--native-tail", "8")
     assert result.returncode == 1
     assert "`native_tail=8` leaves nothing to translate" in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_translator_brings_the_models_it_was_built_for(dirs):
+    """Without --source/--target, the models come from the translator's config; a recorded model that does not
+    load here (this one was built from in-memory models named tiny-llama and tiny-gemma3) says which flag to
+    pass."""
+    result = _hf_mot("generate", "--translator", dirs / "translator_with_models", "--context-file",
+                     dirs / "doc.txt", "--max-new-tokens", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"Loading source {dirs / 'src'}, target {dirs / 'tgt'}" in result.stderr
+    result = _hf_mot("generate", "--translator", dirs / "translator", "--context-file", dirs / "doc.txt")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "built for source 'tiny-llama' (from its config), which does not load here" in last
+    assert last.endswith("pass --source NAME_OR_PATH.")
 
 
 def test_info_names_the_pair(dirs):

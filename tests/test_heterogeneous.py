@@ -273,6 +273,37 @@ def test_added_paths_start_as_the_translator_they_extend(tmp_path):
     assert not torch.allclose(mixed.layers[0].keys, changed_again.layers[0].keys)
 
 
+def test_layer_mlps_start_at_zero_and_change_only_their_layers(tmp_path):
+    """Layer MLPs (`layer_mlp_layers`) added to a trained translator start it exactly as it was; once they have
+    learned, only the layers that have one change, and they learn through the mixture's output."""
+    source, target, tok = tiny_model("llama"), tiny_model("gemma3"), char_tokenizer()
+    config = MoTConfig.from_models(source.config, target.config, hidden_size=16, depth_matched_layers=1)
+    torch.manual_seed(0)
+    plain = MoTTranslator(config).eval()
+    plain.save_pretrained(tmp_path)
+    with_mlp = MoTTranslator.from_pretrained(tmp_path, layer_mlp_layers=[1], layer_mlp_size=8).eval()
+    mlps = with_mlp.value_mixture.layer_mlps
+    assert mlps.weight_in.shape == (1, 16 + source.config.num_key_value_heads * 8, 8)  # shared + depth-matched
+    assert mlps.weight_in.abs().sum() > 0 and not mlps.weight_out.any()
+    before, after = _translate(plain, source, target, tok), _translate(with_mlp, source, target, tok)
+    for a, b in zip(before.layers, after.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    with torch.no_grad():
+        mlps.weight_out.normal_()
+    changed = _translate(with_mlp, source, target, tok)
+    assert not torch.allclose(changed.layers[1].values, before.layers[1].values)
+    for layer in (0, 2):
+        assert torch.equal(changed.layers[layer].values, before.layers[layer].values)
+    assert torch.equal(changed.layers[1].keys, before.layers[1].keys)  # the key mixture has its own MLPs
+    with pytest.raises(ValueError, match="widen first"):
+        with_mlp.widened(hidden_size=24)
+    for bad in ([3], [1, 1]):
+        with pytest.raises(ValueError, match="layer_mlp_layers"):
+            MoTConfig.from_models(source.config, target.config, layer_mlp_layers=bad)
+    with pytest.raises(ValueError, match="layer_mlp_layers"):
+        MoTConfig.from_models(source.config, target.config, architecture="per_layer", layer_mlp_layers=[1])
+
+
 def test_local_token_mixer_is_causal_and_ignores_padding():
     """A token reads only the tokens before it, and a left-padded row mixes as it would alone."""
     from hf_mot.modeling_mot import LocalTokenMixer

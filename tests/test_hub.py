@@ -75,6 +75,21 @@ def test_card_written_by_save_pretrained(tmp_path):
     assert (tmp_path / "again" / "README.md").read_text() == "---\nlicense: mit\n---\n# Mine\n"
 
 
+def test_card_usage_snippet_asks_its_prompt_as_valid_python():
+    """The snippet's prompt is written as a Python string literal, whatever it holds (ship_translator.py
+    --usage-prompt gives the reverse translator's card a completion prompt)."""
+    import ast
+
+    from hf_mot.model_card import render_model_card
+
+    prompt = ' He said "so" and it\'s \\ done'
+    card = str(render_model_card(_translator().config, "org/name", usage_prompt=prompt))
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0]
+    calls = [node for node in ast.walk(ast.parse(snippet))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "tgt_tok"]
+    assert [ast.literal_eval(call.args[0]) for call in calls] == [prompt]
+
+
 def test_revisions(hub, tmp_path):
     first, second, third = _translator(seed=0), _translator(seed=1), _translator(seed=2)
     old = first.push_to_hub("hf-mot-test/revisions").oid

@@ -25,7 +25,7 @@ def _pair(mode="full", architecture="mixture"):
     source_tok, target_tok = char_tokenizer(), bpe_tokenizer()
     options = {"injection_mode": mode, "architecture": architecture}
     if architecture == "mixture":
-        options.update(depth_matched_layers=1, local_context_tokens=2)
+        options.update(depth_matched_layers=1, local_context_tokens=2, layer_mlp_layers=[1], layer_mlp_size=8)
     if mode == "window":
         options.update(injection_start=1, injection_layers=1)
     config = MoTConfig.from_models(source.config, target.config, source_tokenizer=source_tok,
@@ -54,7 +54,7 @@ def test_every_term_is_finite_and_reaches_only_the_translator(mode):
         grads = [p.grad for p in translator.parameters() if p.grad is not None]
         assert grads and any(g.abs().sum() > 0 for g in grads), f"{term} has no gradient path to the translator"
         paths = (translator.key_mixture.target_tokens.proj_weight, translator.value_mixture.depth_matched.weight,
-                 translator.key_mixture.local_context.weight)
+                 translator.key_mixture.local_context.weight, translator.value_mixture.layer_mlps.weight_out)
         for path in paths:
             if term != "balance":  # the router's loss does not depend on the output paths
                 assert path.grad is not None and path.grad.abs().sum() > 0, f"{term} does not reach {path.shape}"
@@ -394,10 +394,14 @@ def test_fresh_learning_rate_trains_only_the_added_paths_when_the_rest_is_frozen
     args = _script_args(tiny_dirs, tmp_path / "added", 2, save_steps=2)
     args[args.index("--max-train-chunks") + 1] = "8"
     added = _run(script + args + ["--init-from", str(tmp_path / "base"), "--local-context-tokens", "2",
+                                  "--layer-mlp-layers", "1", "--layer-mlp-size", "8",
                                   "--learning-rate", "0", "--fresh-learning-rate", "1e-2"])
     assert added.returncode == 0, added.stderr[-3000:]
     before, after = (load_file(tmp_path / run / "model.safetensors") for run in ("base", "added"))
-    assert set(after) - set(before) == {"key_mixture.local_context.weight", "value_mixture.local_context.weight"}
+    mlps = {f"{mixture}.layer_mlps.{name}" for mixture in ("key_mixture", "value_mixture")
+            for name in ("weight_in", "bias_in", "weight_out", "bias_out")}
+    mixers = {"key_mixture.local_context.weight", "value_mixture.local_context.weight"}
+    assert set(after) - set(before) == mixers | mlps
     for name in before:
         assert torch.equal(before[name], after[name]), name
     for name in set(after) - set(before):

@@ -79,10 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(0: off; with --init-from: added, starting at zero, to a translator that lacks it)",
     )
     translator.add_argument(
+        "--layer-mlp-layers", type=int, nargs="+", default=[], metavar="LAYER",
+        help="target layers that each get an MLP of their own in each mixture, e.g. 5 11 17 for Gemma-3-270M's "
+        "full-attention layers (with --init-from: added, its output starting at zero)",
+    )
+    translator.add_argument("--layer-mlp-size", type=int, default=512, help="inner width of each layer MLP")
+    translator.add_argument(
         "--fresh-learning-rate", type=float, default=None,
         help="with --init-from: learning rate of the paths this run adds at zero (target-token reader, "
-        "depth-matched path, local mixer), so they catch up while the loaded weights move at --learning-rate "
-        "(default: --learning-rate for all)",
+        "depth-matched path, local mixer, layer MLPs), so they catch up while the loaded weights move at "
+        "--learning-rate (default: --learning-rate for all)",
     )
     translator.add_argument("--injection-mode", choices=["full", "window"], default="full")
     translator.add_argument("--injection-start", type=int, default=0)
@@ -144,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # The config field of each path `--init-from` can add, and the KVMixture attribute that holds it.
 ADDED_MODULES = {"target_embedding_size": "target_tokens", "depth_matched_layers": "depth_matched",
-                 "local_context_tokens": "local_context"}
+                 "local_context_tokens": "local_context", "layer_mlp_layers": "layer_mlps"}
 
 RECORD = "train_command.json"
 # Written by scripts/interpolate_translator.py instead of RECORD: the translator is a weighted mean of a run and
@@ -191,11 +197,16 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
                 added["depth_matched_layers"] = args.depth_matched_layers
             if args.local_context_tokens and not config.local_context_tokens:
                 added["local_context_tokens"] = args.local_context_tokens
+            if args.layer_mlp_layers and not config.layer_mlp_layers:
+                added["layer_mlp_layers"] = args.layer_mlp_layers
+                added["layer_mlp_size"] = args.layer_mlp_size
         if added:
-            # The added paths start at zero: the new translator starts as the loaded one.
+            # The added paths start at zero: the new translator starts as the loaded one. The seed fixes the random
+            # input weights of added layer MLPs, so the run's start can be rebuilt from its record.
+            torch.manual_seed(args.seed)
             translator = MoTTranslator.from_pretrained(args.init_from, **added)
             fresh = [name for name, _ in translator.named_parameters()
-                     if any(f".{ADDED_MODULES[field]}." in name for field in added)]
+                     if any(f".{ADDED_MODULES[field]}." in name for field in added if field in ADDED_MODULES)]
         sizes = {"hidden_size": args.hidden_size, "expert_hidden_size": args.expert_hidden_size}
         for name, size in sizes.items():
             if size is not None and size < getattr(config, name):
@@ -215,6 +226,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
             architecture=args.architecture, target_tokens=args.target_tokens,
             depth_matched_layers=args.depth_matched_layers if args.architecture == "mixture" else 0,
             local_context_tokens=args.local_context_tokens if args.architecture == "mixture" else 0,
+            layer_mlp_layers=args.layer_mlp_layers, layer_mlp_size=args.layer_mlp_size,
             injection_start=args.injection_start, injection_layers=args.injection_layers,
         )
         torch.manual_seed(args.seed)
