@@ -410,6 +410,22 @@ def test_fresh_learning_rate_trains_only_the_added_paths_when_the_rest_is_frozen
     assert scratch.returncode == 2 and "--init-from" in scratch.stderr
 
 
+def test_train_only_freezes_every_other_parameter(tiny_dirs, tmp_path):
+    script = [sys.executable, "-m", "hf_mot.training.train"]
+    first = _run(script + _script_args(tiny_dirs, tmp_path / "base", 1, save_steps=1))
+    assert first.returncode == 0, first.stderr[-3000:]
+    start = ["--init-from", str(tmp_path / "base")]
+    only = ["--train-only", "value_mixture.out_proj"]
+    part = _run(script + _script_args(tiny_dirs, tmp_path / "part", 2) + start + only)
+    assert part.returncode == 0, part.stderr[-3000:]
+    before, after = (load_file(tmp_path / run / "model.safetensors") for run in ("base", "part"))
+    assert set(before) == set(after)
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved == {"value_mixture.out_proj.weight", "value_mixture.out_proj.bias"}
+    none = _run(script + _script_args(tiny_dirs, tmp_path / "none", 1) + start + ["--train-only", "no_such_path"])
+    assert none.returncode == 2 and "matches none of the translator's parameters" in none.stderr
+
+
 def test_fresh_parameters_must_be_the_translators():
     translator, source, target, collate = _pair()
     args = MoTTrainingArguments("unused", max_steps=1, use_cpu=True, fresh_learning_rate=1e-2)

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         "depth-matched path, local mixer, layer MLPs), so they catch up while the loaded weights move at "
         "--learning-rate (default: --learning-rate for all)",
     )
+    translator.add_argument(
+        "--train-only", nargs="+", default=None, metavar="NAME",
+        help="train only the translator parameters whose names contain one of these (e.g. layer_mlps; the names "
+        "of the keys in model.safetensors); the rest stays frozen",
+    )
     translator.add_argument("--injection-mode", choices=["full", "window"], default="full")
     translator.add_argument("--injection-start", type=int, default=0)
     translator.add_argument("--injection-layers", type=int, default=None)
@@ -231,6 +236,14 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         )
         torch.manual_seed(args.seed)
         translator = MoTTranslator(config)
+    if args.train_only:
+        names = [name for name, _ in translator.named_parameters()]
+        trained = [name for name in names if any(part in name for part in args.train_only)]
+        if not trained:
+            parser.error(f"--train-only {' '.join(args.train_only)} matches none of the translator's parameters "
+                         f"({', '.join(names[:4])}, ...).")
+        for name, param in translator.named_parameters():
+            param.requires_grad_(name in trained)
     train_dataset = ContextContinuationDataset(
         "train", context_words=tuple(args.context_words), continuation_words=args.continuation_words,
         max_chunks=args.max_train_chunks, recall_fraction=args.recall_fraction,
