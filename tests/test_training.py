@@ -406,6 +406,9 @@ def test_fresh_learning_rate_trains_only_the_added_paths_when_the_rest_is_frozen
         assert torch.equal(before[name], after[name]), name
     for name in set(after) - set(before):
         assert after[name].abs().sum() > 0, f"{name} did not learn"
+    other = _run(script + _script_args(tiny_dirs, tmp_path / "other", 1)
+                 + ["--init-from", str(tmp_path / "added"), "--layer-mlp-layers", "0"])
+    assert other.returncode == 2 and "has layer MLPs for layers [1], not [0]" in other.stderr
     scratch = _run(script + _script_args(tiny_dirs, tmp_path / "scratch", 1) + ["--fresh-learning-rate", "1e-2"])
     assert scratch.returncode == 2 and "--init-from" in scratch.stderr
 

@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
             if args.layer_mlp_layers and not config.layer_mlp_layers:
                 added["layer_mlp_layers"] = args.layer_mlp_layers
                 added["layer_mlp_size"] = args.layer_mlp_size
+            elif args.layer_mlp_layers and sorted(args.layer_mlp_layers) != config.layer_mlp_layers:
+                parser.error(f"{args.init_from} has layer MLPs for layers {config.layer_mlp_layers}, not "
+                             f"{sorted(args.layer_mlp_layers)}: leave out --layer-mlp-layers to train them on.")
         if added:
             # The added paths start at zero: the new translator starts as the loaded one. The seed fixes the random
             # input weights of added layer MLPs, so the run's start can be rebuilt from its record.
