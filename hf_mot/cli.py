@@ -203,6 +203,7 @@ def _info(args: argparse.Namespace) -> None:
         f"expert width {config.expert_hidden_size}, {config.injection_mode} mode, "
         f"target layers {start}-{start + count - 1}"
         + (", reads the target's token embeddings" if config.target_embedding_size else "")
+        + (f", MLPs of their own for target layers {config.layer_mlp_layers}" if config.layer_mlp_layers else "")
     )
     card = _read_model_card(location, {})
     results = ModelCard(card).data.eval_results if card else None

@@ -198,7 +198,8 @@ class KVMixture(nn.Module):
        outputs are added to it (a residual mixture of translators);
     3. one projection produces the features of every produced target layer at once;
     4. if the config has `depth_matched_layers`, a per-layer linear path from the source layers at the same
-       relative depth is added ([`DepthMatchedPath`]): it lifts the rank limit of the shared representation.
+       relative depth is added ([`DepthMatchedPath`]): it lifts the rank limit of the shared representation;
+    5. if the config has `layer_mlp_layers`, each of those layers also adds an MLP of its own ([`LayerMLPs`]).
 
     If the config has `local_context_tokens`, step 1 also adds a linear map of the previous that many target
     tokens' representations ([`LocalTokenMixer`]), before the router.
