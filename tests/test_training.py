@@ -417,6 +417,7 @@ def test_train_only_freezes_every_other_parameter(tiny_dirs, tmp_path):
     script = [sys.executable, "-m", "hf_mot.training.train"]
     first = _run(script + _script_args(tiny_dirs, tmp_path / "base", 1, save_steps=1))
     assert first.returncode == 0, first.stderr[-3000:]
+    (tmp_path / "base" / "README.md").write_text("---\nlicense: mit\n---\n# The start's own card\n")
     start = ["--init-from", str(tmp_path / "base")]
     only = ["--train-only", "value_mixture.out_proj"]
     part = _run(script + _script_args(tiny_dirs, tmp_path / "part", 2) + start + only)
@@ -425,6 +426,8 @@ def test_train_only_freezes_every_other_parameter(tiny_dirs, tmp_path):
     assert set(before) == set(after)
     moved = {name for name in before if not torch.equal(before[name], after[name])}
     assert moved == {"value_mixture.out_proj.weight", "value_mixture.out_proj.bias"}
+    # The run does not pass the start's card (its training and figures) off as its own.
+    assert "The start's own card" not in (tmp_path / "part" / "README.md").read_text()
     none = _run(script + _script_args(tiny_dirs, tmp_path / "none", 1) + start + ["--train-only", "no_such_path"])
     assert none.returncode == 2 and "matches none of the translator's parameters" in none.stderr
 

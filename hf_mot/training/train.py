@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
                 translator = translator.widened(**sizes, seed=args.seed)
             except ValueError as error:  # widened() says what cannot be widened; the CLI says how to go on
                 parser.error(f"{args.init_from}: {error} Leave out --hidden-size/--expert-hidden-size.")
+        # The loaded card states how the starting translator was trained and what it measured, not this run:
+        # checkpoints get a card rendered from the config instead (ship_translator.py reads the start's own).
+        translator.model_card = None
     else:
         config = MoTConfig.from_models(
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
