@@ -33,7 +33,7 @@ def render_model_card(
     license: str = "apache-2.0",
 ) -> ModelCard:
     """Render the card of a translator. `usage_prompt` is what the usage snippet asks the target about its
-    one-sentence document (a completion prompt suits a target that does not follow the QA frame). `fidelity`
+    one-sentence document (a question, or text for the target to complete). `fidelity`
     (from `hf_mot.evaluation.summarize`, keyed by mode) and `qa` (task -> summary from `hf-mot evaluate`'s
     `evaluation.json`) become the card's `model-index`."""
     source, target = config.source_layout, config.target_layout

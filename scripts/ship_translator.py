@@ -130,8 +130,8 @@ def main() -> None:
     parser.add_argument("--target", required=True, help="load name of the target model")
     parser.add_argument(
         "--usage-prompt", default=" Question: Who built the tower? Answer:",
-        help="the prompt of the card's usage snippet; give a completion prompt (' The tower was built by') to a "
-        "target that does not follow the QA frame",
+        help="the prompt of the card's usage snippet, about its one-sentence document on the Eiffel Tower "
+        "(tests/test_shipped.py runs the snippet and checks that the answer names Gustave Eiffel)",
     )
     args = parser.parse_args()
 

@@ -82,7 +82,8 @@ def test_the_card_usage_snippet_runs(tmp_path, repo_id, pair, target_hub_id, lay
     result = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True, text=True, timeout=600,
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip(), "the snippet prints the target's answer"
+    # The document names the builder; the target has it only through the translated cache.
+    assert "Gustave" in result.stdout, result.stdout
 
 
 def _ship_script():
