@@ -10,6 +10,8 @@ from .configuration_mot import MoTConfig
 from .models import EMBEDDED_MODELS
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card_template.md"
+# What the usage snippet asks the target about its one-sentence document on the Eiffel Tower.
+DEFAULT_USAGE_PROMPT = " Question: Who built the tower? Answer:"
 
 
 def _hub_id(name: str) -> str:
@@ -24,7 +26,7 @@ def render_model_card(
     source_load_name: str | None = None,
     target_load_name: str | None = None,
     training_description: str = "Not recorded for this translator.",
-    usage_prompt: str = " Question: Who built the tower? Answer:",
+    usage_prompt: str = DEFAULT_USAGE_PROMPT,
     evaluation_description: str = "Not evaluated yet: `hf-mot evaluate --translator PATH` measures it.",
     fidelity: dict | None = None,
     qa: dict | None = None,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hf_mot import MoTTranslator
 from hf_mot.data import TRAINING_DATASETS
-from hf_mot.model_card import render_model_card
+from hf_mot.model_card import DEFAULT_USAGE_PROMPT, render_model_card
 from hf_mot.modeling_mot import SHIPPED_TRANSLATORS
 from hf_mot.training.train import INTERPOLATION_RECORD, RECORD
 
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--source", required=True, help="load name of the source model")
     parser.add_argument("--target", required=True, help="load name of the target model")
     parser.add_argument(
-        "--usage-prompt", default=" Question: Who built the tower? Answer:",
+        "--usage-prompt", default=DEFAULT_USAGE_PROMPT,
         help="the prompt of the card's usage snippet, about its one-sentence document on the Eiffel Tower "
         "(tests/test_shipped.py runs the snippet and checks that the answer names Gustave Eiffel)",
     )

@@ -234,6 +234,14 @@ def _translate(translator, source, target, tok):
                              target_model=target, target_tokenizer=tok)
 
 
+def _translates_alike(first, second, source, target, tok):
+    """Assert that two translators give exactly the same cache; return the first's."""
+    before, after = _translate(first, source, target, tok), _translate(second, source, target, tok)
+    for a, b in zip(before.layers, after.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    return before
+
+
 def test_added_paths_start_as_the_translator_they_extend(tmp_path):
     """`hf-mot train --init-from` adds the target-token reader and the depth-matched path to a translator
     without them: it must start as that translator (both start at zero), load no uninitialised weights, and
@@ -250,9 +258,7 @@ def test_added_paths_start_as_the_translator_they_extend(tmp_path):
     reader = with_reader.key_mixture.target_tokens
     assert torch.equal(reader.proj_weight, torch.zeros_like(reader.proj_weight))
     assert torch.equal(reader.norm_weight, torch.ones_like(reader.norm_weight))
-    before, after = _translate(without, source, target, tok), _translate(with_reader, source, target, tok)
-    for a, b in zip(before.layers, after.layers, strict=True):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    before = _translates_alike(without, with_reader, source, target, tok)
     with torch.no_grad():
         reader.proj_weight.normal_()
     changed = _translate(with_reader, source, target, tok)
@@ -285,9 +291,7 @@ def test_layer_mlps_start_at_zero_and_change_only_their_layers(tmp_path):
     mlps = with_mlp.value_mixture.layer_mlps
     assert mlps.weight_in.shape == (1, 16 + source.config.num_key_value_heads * 8, 8)  # shared + depth-matched
     assert mlps.weight_in.abs().sum() > 0 and not mlps.weight_out.any()
-    before, after = _translate(plain, source, target, tok), _translate(with_mlp, source, target, tok)
-    for a, b in zip(before.layers, after.layers, strict=True):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    before = _translates_alike(plain, with_mlp, source, target, tok)
     with torch.no_grad():
         mlps.weight_out.normal_()
     changed = _translate(with_mlp, source, target, tok)
