@@ -45,10 +45,11 @@ def test_every_term_is_finite_and_reaches_only_the_translator(mode):
     translator, source, target, collate = _pair(mode, layer_mlps=True)
     batch = collate(_examples())
     weights = LossWeights()
-    terms = ("nll", "kv", "kl", "balance")
+    terms = ("nll", "kv", "kl", "balance", "hidden")
     for term in terms:
         translator.zero_grad()
-        only = LossWeights(**{name: (getattr(weights, name) if name == term else 0.0) for name in terms})
+        # The trajectory term is off by default: it gets weight 1 here.
+        only = LossWeights(**{name: ((getattr(weights, name) or 1.0) if name == term else 0.0) for name in terms})
         parts = context_correction_loss(translator, source, target, batch, only, mode)
         value = getattr(parts, term)
         assert torch.isfinite(value) and value.item() > 0, term
@@ -61,6 +62,23 @@ def test_every_term_is_finite_and_reaches_only_the_translator(mode):
             if term != "balance":  # the router's loss does not depend on the output paths
                 assert path.grad is not None and path.grad.abs().sum() > 0, f"{term} does not reach {path.shape}"
         assert all(p.grad is None for p in list(source.parameters()) + list(target.parameters())), term
+
+
+def test_the_trajectory_term_is_zero_for_the_native_cache_and_off_by_default():
+    model, collate = tiny_model("gemma3", seed=2), MoTDataCollator(bpe_tokenizer(), bpe_tokenizer())
+    oracle = MoTTranslator(MoTConfig.from_models(model.config, model.config, init="identity"))
+    batch = collate(_examples())
+    hidden_only = LossWeights(nll=0.0, kv=0.0, kl=0.0, balance=0.0, hidden=1.0)
+    with torch.no_grad():
+        native = context_correction_loss(oracle, model, model, batch, hidden_only, "full")
+        assert native.hidden.item() == pytest.approx(0.0, abs=1e-6)
+        assert native.total.item() == pytest.approx(0.0, abs=1e-6)
+        translator, source, target, collate = _pair()
+        batch = collate(_examples())
+        on = context_correction_loss(translator, source, target, batch, hidden_only, "full")
+        off = context_correction_loss(translator, source, target, batch, LossWeights(), "full")
+    assert on.hidden.item() > 1e-3 and on.total.item() == pytest.approx(on.hidden.item())
+    assert LossWeights().hidden == 0.0 and off.hidden.item() == 0.0
 
 
 def test_kl_first_weight_counts_the_first_continuation_positions_more():

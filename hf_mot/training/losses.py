@@ -5,7 +5,9 @@ teacher. The Context Correction Loss pulls the two trajectories together where t
 
 - per-layer KV from the injection point up (propagated translation shift: an early error grows upward);
 - the next-token distributions at the continuation positions (last-state shift: the first tokens after the
-  context are bent by errors at the last context position).
+  context are bent by errors at the last context position);
+- optionally, the target's hidden states at the continuation positions, layer by layer: where the translated
+  cache bends the trajectory of the tokens that read it, rather than how far the cache itself is off.
 
 A router load-balancing term keeps all experts in use. The frozen models never receive gradients: the native
 side runs under `torch.no_grad()`, and the translated side only lets gradients flow into the translator.
@@ -50,6 +52,7 @@ class LossWeights:
     kl_first: float = 1.0
     question_nll: float = 1.0
     kv_full_attention: float = 1.0
+    hidden: float = 0.0
 
     def __post_init__(self):
         negative = {name: value for name, value in vars(self).items() if value < 0}
@@ -64,21 +67,43 @@ class LossParts:
     kv: torch.Tensor
     kl: torch.Tensor
     balance: torch.Tensor
+    hidden: torch.Tensor
 
     def detached(self) -> dict[str, float]:
-        return {name: getattr(self, name).detach().float().item() for name in ("total", "nll", "kv", "kl", "balance")}
+        return {name: getattr(self, name).detach().float().item() for name in LOGGED_PARTS}
 
 
-def _continue(model: PreTrainedModel, cache, context_mask: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Run the continuation through `model` after the cached context; return its logits."""
+# The parts of `LossParts` the trainer logs.
+LOGGED_PARTS = ("total", "nll", "kv", "kl", "balance", "hidden")
+
+
+def _continue(model: PreTrainedModel, cache, context_mask: torch.Tensor, batch: dict, hidden_states: bool = False):
+    """Run the continuation through `model` after the cached context; return its output (logits and, with
+    `hidden_states`, every layer's hidden states)."""
     mask = torch.cat([context_mask, batch["continuation_mask"]], dim=1)
     positions = context_mask.sum(dim=1, keepdim=True) + torch.arange(
         batch["continuation_ids"].shape[1], device=mask.device
     )
     return model(
         input_ids=batch["continuation_ids"], attention_mask=mask, position_ids=positions, use_cache=True,
-        **{cache_kwarg(model): cache},
-    ).logits
+        output_hidden_states=hidden_states, **{cache_kwarg(model): cache},
+    )
+
+
+def _trajectory_error(translated: tuple, native: tuple, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over layers and real continuation tokens of ||t/rms(t) - n/rms(n)||^2 / width.
+
+    The embeddings (index 0) are the same tokens on both sides and are left out. RMS normalisation is what each
+    layer applies to its input first, and keeps the few very large channels of the residual stream from
+    swamping the rest."""
+    real = mask.bool()
+    errors = []
+    for t, n in zip(translated[1:], native[1:], strict=True):
+        t, n = t[real].float(), n[real].float()
+        t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+        n = n * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + 1e-6)
+        errors.append((t - n).pow(2).mean())
+    return torch.stack(errors).mean()
 
 
 def native_context_kv(target_model: PreTrainedModel, batch: dict) -> tuple[DynamicCache, list]:
@@ -129,7 +154,10 @@ def context_correction_loss(
         )
         source = read_source_cache(source_cache, source_model, source_mask, positions_from_mask(source_mask))
         native_cache, native_kv = native_context_kv(target_model, batch)
-        native_logits = _continue(target_model, native_cache, target_mask, batch) if weights.kl else None
+        native_out = (
+            _continue(target_model, native_cache, target_mask, batch, hidden_states=bool(weights.hidden))
+            if weights.kl or weights.hidden else None
+        )
 
     out = run_translator(
         translator, source, batch["alignment"], target_model, batch["target_input_ids"], target_mask
@@ -152,7 +180,11 @@ def context_correction_loss(
         if weights.kv
         else zero
     )
-    logits = _continue(target_model, cache, target_mask, batch) if (weights.nll or weights.kl) else None
+    continued = (
+        _continue(target_model, cache, target_mask, batch, hidden_states=bool(weights.hidden))
+        if weights.nll or weights.kl or weights.hidden else None
+    )
+    logits = continued.logits if continued is not None else None
     continuation_mask = batch["continuation_mask"][:, 1:].bool()
     nll = zero
     if weights.nll:
@@ -166,7 +198,7 @@ def context_correction_loss(
     kl = weighted_kl = zero
     if weights.kl:
         every = batch["continuation_mask"].bool()
-        native_logp = native_logits[every].float().log_softmax(-1)
+        native_logp = native_out.logits[every].float().log_softmax(-1)
         per_token = F.kl_div(
             logits[every].float().log_softmax(-1), native_logp, log_target=True, reduction="none"
         ).sum(-1)
@@ -174,5 +206,11 @@ def context_correction_loss(
         # The logged KL stays the plain mean over tokens, comparable across runs whatever `kl_first` is.
         kl = per_token.mean()
         weighted_kl = ((1 + (weights.kl_first - 1) * 0.5 ** position.float()) * per_token).mean()
-    total = weights.nll * nll + weights.kv * kv + weights.kl * weighted_kl + weights.balance * out.aux_loss
-    return LossParts(total=total, nll=nll, kv=kv, kl=kl, balance=out.aux_loss)
+    hidden = (
+        _trajectory_error(continued.hidden_states, native_out.hidden_states, batch["continuation_mask"])
+        if weights.hidden
+        else zero
+    )
+    total = (weights.nll * nll + weights.kv * kv + weights.kl * weighted_kl + weights.balance * out.aux_loss
+             + weights.hidden * hidden)
+    return LossParts(total=total, nll=nll, kv=kv, kl=kl, balance=out.aux_loss, hidden=hidden)

@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         "layers: only they reach past the window on long contexts (1: every layer alike)",
     )
     losses.add_argument("--balance-weight", type=float, default=0.01)
+    losses.add_argument(
+        "--hidden-weight", type=float, default=0.0,
+        help="the target's per-layer hidden states at the continuation positions, RMS-normalised, against native: "
+        "counts the cache's error where the continuation reads it (0: off)",
+    )
     run = parser.add_argument_group("run")
     run.add_argument("--output-dir", required=True)
     run.add_argument("--max-steps", type=int, default=2000)

@@ -32,6 +32,8 @@ class MoTTrainingArguments(TrainingArguments):
         kv_full_attention_weight (`float`, *optional*, defaults to 1.0): inside the KV term, the weight of the
             target's full-attention layers against its sliding-window layers (1: every layer alike).
         balance_weight (`float`, *optional*, defaults to 0.01): router load-balancing term.
+        hidden_weight (`float`, *optional*, defaults to 0.0): Context Correction Loss on the trajectory, the
+            distance of the target's per-layer hidden states at the continuation positions from native (off).
         injection_mode (`str`, *optional*): train for `"full"` or `"window"` mode (defaults to the config's).
         fresh_learning_rate (`float`, *optional*): learning rate of the trainer's `fresh_parameters` (paths
             added at zero to a trained translator); the others keep `learning_rate`.
@@ -52,6 +54,9 @@ class MoTTrainingArguments(TrainingArguments):
         default=1.0, metadata={"help": "weight of full-attention layers against sliding-window ones in the KV term"}
     )
     balance_weight: float = field(default=0.01, metadata={"help": "weight of the router load-balancing term"})
+    hidden_weight: float = field(
+        default=0.0, metadata={"help": "weight of the per-layer hidden-state term at the continuation positions"}
+    )
     injection_mode: str | None = field(default=None, metadata={"help": "full or window (default: config)"})
     fresh_learning_rate: float | None = field(
         default=None, metadata={"help": "learning rate of the fresh parameters (default: learning_rate)"}
@@ -70,7 +75,7 @@ class MoTTrainingArguments(TrainingArguments):
     def loss_weights(self) -> LossWeights:
         return LossWeights(nll=self.nll_weight, kv=self.kv_weight, kl=self.kl_weight, balance=self.balance_weight,
                            kl_first=self.kl_first_weight, question_nll=self.question_nll_weight,
-                           kv_full_attention=self.kv_full_attention_weight)
+                           kv_full_attention=self.kv_full_attention_weight, hidden=self.hidden_weight)
 
 
 class LossCurveCallback(TrainerCallback):
@@ -94,7 +99,7 @@ def write_loss_curve(log_history: list[dict], output_dir: str) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [row["step"] for row in rows]
-    for name in ("loss", "nll", "kv", "kl"):
+    for name in ("loss", "nll", "kv", "kl", "hidden"):
         if all(name in row for row in rows):
             ax.plot(steps, [row[name] for row in rows], label="total" if name == "loss" else name)
     ax.set_xlabel("step")
@@ -193,7 +198,9 @@ class MoTTrainer(Trainer):
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._loss_parts and "loss" in logs:
-            for name in ("nll", "kv", "kl", "balance"):
+            # The trajectory term is off by default; a column of zeros would only crowd the log.
+            names = ("nll", "kv", "kl", "balance") + (("hidden",) if self.args.hidden_weight else ())
+            for name in names:
                 logs[name] = round(sum(p[name] for p in self._loss_parts) / len(self._loss_parts), 5)
             self._loss_parts.clear()
         super().log(logs, *args, **kwargs)
