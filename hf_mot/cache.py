@@ -8,6 +8,7 @@ import tempfile
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 class TranslatedCache(DynamicCache):
@@ -59,6 +60,40 @@ class TranslatedCache(DynamicCache):
     def inject(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Make the next `update()` of `layer_idx` store (and attend to) `keys`/`values` instead."""
         self._injections[layer_idx] = (keys, values)
+
+    def place(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, seen_tokens: int) -> None:
+        """Store an empty layer's context states as `update()` would after the layer read `seen_tokens` tokens,
+        without copying them: a sliding-window layer keeps (a view of) its last `sliding_window - 1` tokens and
+        counts all `seen_tokens`, so `keys` may hold only those last tokens.
+        """
+        layer = self.layers[layer_idx]
+        given = keys.shape[-2]
+        sliding = type(layer) is DynamicSlidingWindowLayer
+        if sliding:
+            needed = min(seen_tokens, layer.sliding_window - 1)
+            if given < needed:
+                raise ValueError(
+                    f"Layer {layer_idx} keeps its last {needed} tokens but was given {given}: translate them all."
+                )
+            if given > needed:
+                keys, values = keys[..., given - needed :, :], values[..., given - needed :, :]
+        elif given != seen_tokens:
+            raise ValueError(
+                f"Target layer {layer_idx} ({type(layer).__name__}) keeps every token, but was given {given} of the "
+                f"{seen_tokens} context tokens: translate them all."
+            )
+        if layer.is_initialized or type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            # A layer class this does not know, or one that already holds tokens: the cache API's own way.
+            if layer.is_initialized or given != seen_tokens:
+                raise ValueError(f"Cannot place context states in cache layer {layer_idx} ({type(layer).__name__}).")
+            DynamicCache.update(self, keys, values, layer_idx)
+            return
+        # What `lazy_initialization` + `update` leave behind, without the copy `update`'s concatenation makes.
+        layer.device, layer.keys, layer.values, layer.is_initialized = keys.device, keys, values, True
+        if sliding:
+            layer.cumulative_length = seen_tokens
+            if layer._sliding_window_tensor.device != keys.device:
+                layer._sliding_window_tensor = layer._sliding_window_tensor.to(keys.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # Every attention layer of transformers 5.x hands its new states to `update()` and attends to what it

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -135,11 +136,41 @@ def key_norm_scale(model: PreTrainedModel, layer_idx: int) -> torch.Tensor | Non
         return norm(ones).float() * (1.0 + eps) ** 0.5
 
 
+# Per model: the key-norm scales of all its layers stacked, and the tensors they were read from. A scale is read
+# by running the norm (a few operators per layer), so it is read once and again only when a norm's weight is
+# replaced, changed in place (its `_version` moves) or moved to another device or dtype.
+_KEY_NORM_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def key_norm_scales(model: PreTrainedModel, layers: list[int]) -> torch.Tensor | None:
+    """`key_norm_scale` of each of `layers`, stacked `(len(layers), head_dim)`, or `None` if the model has no
+    key norm."""
+    count = len(decoder_layers(model))
+    norms = [key_norm(model, i) for i in range(count)]
+    if norms[0] is None:
+        return None
+    weights = [next(n.parameters()) for n in norms]
+    stamp = tuple((id(w), w._version, w.device, w.dtype) for w in weights)
+    entry = _KEY_NORM_SCALES.get(model)
+    if entry is None or entry[0] != stamp:
+        entry = (stamp, torch.stack([key_norm_scale(model, i) for i in range(count)]))
+        _KEY_NORM_SCALES[model] = entry
+    scales = entry[1]
+    if list(layers) == list(range(count)):
+        return scales
+    return scales.index_select(0, torch.tensor(layers, device=scales.device))
+
+
 def _unscale(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # Channels the norm switches off (scale 0, seen in Gemma 3) are always 0 in the cache: keep them at 0.
     scale = scale.to(keys.dtype)
     safe = torch.where(scale.abs() < 1e-6, torch.ones_like(scale), scale)
     return torch.where(scale.abs() < 1e-6, torch.zeros_like(keys), keys / safe)
+
+
+def _rotary(model: PreTrainedModel):
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    return getattr(decoder, "rotary_emb", None)
 
 
 def rotary_cos_sin(
@@ -150,39 +181,58 @@ def rotary_cos_sin(
     Uses the model's rotary module, so RoPE scaling variants and Gemma 3's per-layer-type bases come for free.
     Returns `None` for models without RoPE (GPT-2, OPT).
     """
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    rotary = getattr(decoder, "rotary_emb", None)
+    tables = layers_cos_sin(model, [layer_idx], position_ids, like)
+    return None if tables is None else (tables[0][0], tables[1][0])
+
+
+def layers_cos_sin(
+    model: PreTrainedModel, layers: list[int], position_ids: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RoPE tables of several layers at once, `(len(layers), batch, tokens, rotary_dim)` each; the rotary
+    module runs once per distinct layer type among them (Gemma 3 has two), not once per layer."""
+    rotary = _rotary(model)
     if rotary is None:
         return None
-    if "layer_type" in inspect.signature(rotary.forward).parameters:
-        layer_type = model.config.get_text_config(decoder=True).layer_types[layer_idx]
-        cos, sin = rotary(like, position_ids, layer_type)
-    else:
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
         cos, sin = rotary(like, position_ids)
+        return cos.unsqueeze(0).expand(len(layers), *cos.shape), sin.unsqueeze(0).expand(len(layers), *sin.shape)
+    layer_types = model.config.get_text_config(decoder=True).layer_types
+    kinds = sorted({layer_types[i] for i in layers})
+    tables = [rotary(like, position_ids, kind) for kind in kinds]
+    if len(kinds) == 1:
+        cos, sin = tables[0]
+        return cos.unsqueeze(0).expand(len(layers), *cos.shape), sin.unsqueeze(0).expand(len(layers), *sin.shape)
+    which = torch.tensor([kinds.index(layer_types[i]) for i in layers], device=position_ids.device)
+    cos = torch.stack([c for c, _ in tables]).index_select(0, which)
+    sin = torch.stack([s for _, s in tables]).index_select(0, which)
     return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """Rotate each channel pair `(i, i + rotary_dim / 2)` of `x` by the angle in `cos`/`sin`, forward (`sign` 1)
+    or back (-1). Every RoPE of transformers builds its tables as `cat(freqs, freqs)`, so half of each table is all
+    there is; working on halves, with fused multiply-adds, touches the (large) keys fewer times than
+    `x * cos + rotate_half(x) * sin`."""
+    dim = cos.shape[-1]
+    half = dim // 2
+    cos, sin = cos[..., :half].unsqueeze(-3).to(x.dtype), sin[..., :half].unsqueeze(-3).to(x.dtype)
+    first, second, rest = x[..., :half], x[..., half:dim], x[..., dim:]
+    first_out = torch.addcmul(first * cos, second, sin, value=-sign)
+    second_out = torch.addcmul(second * cos, first, sin, value=sign)
+    return torch.cat((first_out, second_out, rest) if rest.shape[-1] else (first_out, second_out), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `(batch, heads, tokens, head_dim)` with the `rotate_half` convention of transformers."""
-    dim = cos.shape[-1]
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    rotated, rest = x[..., :dim], x[..., dim:]
-    rotated = rotated * cos + _rotate_half(rotated) * sin
-    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+    """Rotate `x` `(..., batch, heads, tokens, head_dim)` by `cos`/`sin` `(..., batch, tokens, rotary_dim)`, with
+    the `rotate_half` convention of transformers."""
+    return _rotate(x, cos, sin, 1.0)
 
 
 def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of `apply_rope` (exact up to rounding, also with attention scaling folded into cos/sin)."""
-    dim = cos.shape[-1]
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    rotated, rest = x[..., :dim], x[..., dim:]
-    rotated = (rotated * cos - _rotate_half(rotated) * sin) / (cos * cos + sin * sin)
-    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+    # Divided on the tables (no heads axis), not on the keys: the same result for a fraction of the work.
+    norm = cos * cos + sin * sin
+    return _rotate(x, cos / norm, sin / norm, -1.0)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -193,10 +243,11 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SourceKV:
-    """Position-free keys and values of every source layer, each `(batch, kv_heads, tokens, head_dim)`."""
+    """Position-free keys and values of every source layer, stacked `(layers, batch, kv_heads, tokens, head_dim)`
+    (`keys[i]` is layer `i`). The keys are float32 whatever the model's dtype; the values keep the model's."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: torch.Tensor
+    values: torch.Tensor
     attention_mask: torch.Tensor
 
 
@@ -219,7 +270,7 @@ def read_source_cache(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
 ) -> SourceKV:
-    """Turn a source model's cache into position-free keys and values.
+    """Turn a source model's cache into position-free keys and values, all layers at once.
 
     Args:
         cache (`transformers.Cache`): what `model` returned as `past_key_values` after reading the context.
@@ -242,8 +293,7 @@ def read_source_cache(
         )
     if position_ids is None:
         position_ids = positions_from_mask(attention_mask)
-    keys, values, finite = [], [], []
-    for layer_idx, (k, v, seen) in enumerate(layers):
+    for layer_idx, (k, _, seen) in enumerate(layers):
         if k.shape[1] != layout.num_kv_heads or k.shape[-1] != layout.head_dim:
             raise ValueError(
                 f"`source_cache` layer {layer_idx} holds {k.shape[1]} KV heads x {k.shape[-1]} but `source_model` "
@@ -271,38 +321,51 @@ def read_source_cache(
                 f"`source_cache` holds {k.dtype} tensors but `source_model` runs in {model.dtype}: pass the cache "
                 f"that `source_model` produced as it is now, or cast the model with `.to({k.dtype})`."
             )
-        finite.append(torch.isfinite(k).all() & torch.isfinite(v).all())
-        cos_sin = rotary_cos_sin(model, layer_idx, position_ids, k)
-        if cos_sin is not None:
-            k = undo_rope(k, *cos_sin)
-        scale = key_norm_scale(model, layer_idx)
-        if scale is not None:
-            k = _unscale(k, scale)
-        keys.append(k)
-        values.append(v)
-    # One check for all layers: a check per layer would make the CPU wait for the GPU at every layer.
-    finite = torch.stack(finite)
+    keys = torch.stack([k for k, _, _ in layers])
+    values = torch.stack([v for _, v, _ in layers])
+    # One check for all layers: a check per layer would make the CPU wait for the GPU at every layer. A NaN or Inf
+    # anywhere in a layer makes its sum NaN or Inf (finite keys never sum to float32's 3e38): one pass over the
+    # cache instead of the several `isfinite` makes.
+    sums = keys.flatten(1).sum(1, dtype=torch.float32) + values.flatten(1).sum(1, dtype=torch.float32)
+    finite = torch.isfinite(sums)
     if not finite.all():
         layer_idx = int((~finite).nonzero()[0])
         raise ValueError(
             f"`source_cache` layer {layer_idx} contains NaN or Inf: the source forward pass overflowed. "
             "Run the source model in float32 or bfloat16 instead of float16."
         )
+    every = list(range(layout.num_layers))
+    # In float32, as `finish_target_keys` redoes it: a half-precision round trip through RoPE would not give back
+    # the cached keys, and the identity translator would not reproduce the model.
+    keys = keys.float()
+    cos_sin = layers_cos_sin(model, every, position_ids, keys)
+    if cos_sin is not None:
+        keys = undo_rope(keys, *cos_sin)
+    scales = key_norm_scales(model, every)
+    if scales is not None:
+        keys = _unscale(keys, scales[:, None, None, None])
     return SourceKV(keys=keys, values=values, attention_mask=attention_mask)
 
 
 def finish_target_keys(
-    model: PreTrainedModel, layer_idx: int, keys: torch.Tensor, position_ids: torch.Tensor
+    model: PreTrainedModel, layers: int | list[int], keys: torch.Tensor, position_ids: torch.Tensor
 ) -> torch.Tensor:
     """Put translated, position-free keys where the target caches them: its key norm's scale, then its RoPE.
 
-    For targets that normalise keys (Gemma 3), the translator predicts the normalised key direction and the
-    target's own per-channel norm scale is applied, so channels the norm switches off stay off.
+    `keys` is `(batch, kv_heads, tokens, head_dim)` for one layer index, or stacked `(len(layers), batch,
+    kv_heads, tokens, head_dim)` for a list of layers (all finished at once); they are finished in float32 and
+    returned in their own dtype. For targets that normalise keys
+    (Gemma 3), the translator predicts the normalised key direction and the target's own per-channel norm scale
+    is applied, so channels the norm switches off stay off.
     """
-    scale = key_norm_scale(model, layer_idx)
-    if scale is not None:
-        keys = keys * scale.to(keys.dtype)
-    cos_sin = rotary_cos_sin(model, layer_idx, position_ids, keys)
+    if isinstance(layers, int):
+        return finish_target_keys(model, [layers], keys[None], position_ids)[0]
+    dtype = keys.dtype
+    keys = keys.float()  # see `read_source_cache`
+    scales = key_norm_scales(model, layers)
+    if scales is not None:
+        keys = keys * scales[:, None, None, None]
+    cos_sin = layers_cos_sin(model, layers, position_ids, keys)
     if cos_sin is not None:
         keys = apply_rope(keys, *cos_sin)
-    return keys
+    return keys.to(dtype)

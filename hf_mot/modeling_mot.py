@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import json
 import os
@@ -66,6 +67,17 @@ class TargetTokenReader(nn.Module):
         return F.linear(normed, self.proj_weight, self.proj_bias)
 
 
+@functools.cache
+def _layer_index(indices: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(indices, dtype=torch.long, device=device)
+
+
+def layer_index(indices: list[int], device: torch.device) -> torch.Tensor:
+    """`indices` as an index tensor on `device`, made once: building one from a list costs a few operators (and
+    a host-to-device copy on a GPU) every time."""
+    return _layer_index(tuple(indices), str(device))
+
+
 def depth_matched_source_layers(source_layers: int, target_layer: int, target_layers: int, count: int) -> list[int]:
     """The `count` consecutive source layers around the relative depth of `target_layer`."""
     centre = round(target_layer * (source_layers - 1) / max(target_layers - 1, 1))
@@ -99,22 +111,34 @@ class DepthMatchedPath(nn.Module):
         init.zeros_(self.bias)
 
     def aligned_inputs(
-        self, source: torch.Tensor, alignment: TokenAlignment, index: int, last_tokens: int | None = None
+        self, source: torch.Tensor, alignment: TokenAlignment, indices: list[int], last_tokens: int | None = None
     ) -> torch.Tensor:
-        """The source layers read for produced layer `index`, aligned to target tokens: `(batch, source_tokens,
-        source_layers, features)` -> `(batch, target_tokens, count * features)`, or only the last `last_tokens`
-        target tokens. One layer at a time, so that no tensor of every produced layer's inputs is ever built
-        (at 4k tokens that alone was over 200 MB)."""
-        first, last = self.source_layers[index][0], self.source_layers[index][-1]
-        batch, tokens = source.shape[:2]
-        inputs = source[:, :, first : last + 1].reshape(batch, tokens, -1)  # consecutive layers, layer-major
-        aligned = alignment.apply(inputs[None])[0]
-        return aligned if last_tokens is None else aligned[:, -last_tokens:]
+        """The source layers read for each of the produced layers `indices`, aligned to target tokens:
+        `(batch, source_tokens, source_layers, features)` -> `(batch, target_tokens, len(indices), count *
+        features)`, or only the last `last_tokens` target tokens. Only the source layers these layers read are
+        aligned, and only onto the target tokens asked for."""
+        wanted = [self.source_layers[i] for i in indices]
+        batch, tokens, layers, features = source.shape
+        used = sorted({layer for layers in wanted for layer in layers})
+        rows = alignment.num_target_tokens if last_tokens is None else min(last_tokens, alignment.num_target_tokens)
+        # Picking the layers out first copies the whole source; it pays only when most target tokens are aligned.
+        if (tokens + rows) * len(used) < rows * layers:
+            source = source.index_select(2, layer_index(used, source.device))
+        else:
+            used = list(range(layers))
+        aligned = alignment.apply(source.reshape(batch, tokens, -1), last_tokens)
+        where = layer_index([used.index(layer) for layers in wanted for layer in layers], source.device)
+        aligned = aligned.view(*aligned.shape[:2], len(used), features).index_select(2, where)
+        return aligned.view(*aligned.shape[:2], len(indices), -1)
 
-    def forward(self, aligned: torch.Tensor, index: int) -> torch.Tensor:
-        """The contribution to produced layer `index` from its `aligned_inputs`: `(batch, target_tokens,
-        target_features)`."""
-        return F.linear(aligned, self.weight[index].t(), self.bias[index])
+    def forward(self, aligned: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """The contribution to the produced layers `indices` from their `aligned_inputs`: `(batch, target_tokens,
+        len(indices), target_features)`."""
+        weight, bias = self.weight, self.bias
+        if len(indices) < len(self.source_layers):
+            which = layer_index(indices, weight.device)
+            weight, bias = weight.index_select(0, which), bias.index_select(0, which)
+        return torch.einsum("btlf,lfo->btlo", aligned, weight) + bias
 
 
 class LayerMLPs(nn.Module):
@@ -183,6 +207,17 @@ class LocalTokenMixer(nn.Module):
         for back in range(1, min(self.weight.shape[0], hidden.shape[1] - 1) + 1):
             out = out + F.pad(context[:, :-back], (0, 0, back, 0)) @ self.weight[back - 1]
         return out
+
+
+def _groups(last_tokens: list[int | None] | None, count: int) -> list[tuple[int | None, list[int]]]:
+    """The produced layers `0 .. count - 1` grouped by how many last target tokens each needs (`None`: all),
+    so that each group is computed as one block."""
+    if last_tokens is None:
+        return [(None, list(range(count)))]
+    groups: dict = {}
+    for index, last in enumerate(last_tokens):
+        groups.setdefault(last, []).append(index)
+    return list(groups.items())
 
 
 class KVMixture(nn.Module):
@@ -273,13 +308,13 @@ class KVMixture(nn.Module):
         `(batch, target_tokens, target_embedding_size)` is needed when the mixture reads target tokens;
         `last_tokens`, one entry per produced layer, limits a layer to its last that many target tokens.
 
-        Returns the target features of each produced layer, `(batch, target_tokens, target_features)`, and the
-        router's load-balancing loss. The layers come one at a time (a list, not one tensor): that keeps peak
-        memory at the size of the output.
+        Returns `(indices, block)` pairs, one per group of produced layers that need the same target tokens
+        (all of them, or the last few), each block `(batch, tokens, len(indices), target_features)`; and the
+        router's load-balancing loss. Each group is computed at once, for only the tokens it needs.
         """
         batch, tokens, layers, features = source.shape
         # Project before aligning (both are linear): the alignment then moves `hidden_size` features, not all.
-        hidden = alignment.apply(self.in_proj(source.reshape(batch, tokens, layers * features))[None])[0]
+        hidden = alignment.apply(self.in_proj(source.reshape(batch, tokens, layers * features)))
         if self.target_tokens is not None:
             hidden = hidden + self.target_tokens(target_embeddings.to(hidden.dtype))
         if self.local_context is not None:
@@ -291,35 +326,49 @@ class KVMixture(nn.Module):
         logits = self.router(normed)
         gate_logits, chosen = logits.topk(self.top_k, dim=-1)
         gates = gate_logits.softmax(dim=-1)
-        mixed = torch.zeros_like(flat)
-        for expert in range(self.num_experts):
-            rows, slot = (chosen == expert).nonzero(as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            x = normed.index_select(0, rows)
-            y = F.gelu(x @ self.expert_in[expert] + self.expert_in_bias[expert])
-            y = y @ self.expert_out[expert] + self.expert_out_bias[expert]
-            # Under autocast the experts' output and the gates (a softmax, kept in float32) differ in dtype.
-            mixed.index_add_(0, rows, (y * gates[rows, slot].unsqueeze(-1)).to(mixed.dtype))
-        hidden = (flat + mixed).view_as(hidden)
+        # Every expert runs on every token and the gates of the experts not chosen are 0: with a few experts that
+        # costs less than gathering each expert's tokens (a launch per expert, and a wait for the GPU to say how
+        # many tokens each got), and the result is the same.
+        # All experts side by side are one MLP of `num_experts * expert_hidden_size` units whose units are scaled by
+        # their expert's gate before the output projection: two matrix products for all tokens and experts.
+        dense_gates = torch.zeros_like(logits).scatter(1, chosen, gates.to(logits.dtype)).to(normed.dtype)
+        experts, width = self.expert_in.shape[0], self.expert_in.shape[2]
+        weight_in = self.expert_in.permute(1, 0, 2).reshape(normed.shape[-1], experts * width)
+        inner = F.gelu(torch.addmm(self.expert_in_bias.flatten(), normed, weight_in)).view(-1, experts, width)
+        mixed = torch.addmm(dense_gates @ self.expert_out_bias, (inner * dense_gates[..., None]).flatten(1),
+                            self.expert_out.reshape(experts * width, -1))
+        hidden = (flat + mixed.to(flat.dtype)).view_as(hidden)
 
-        # `out_proj` holds every produced layer's rows, layer after layer; apply them one layer at a time.
-        count = self.produced[1]
-        weights = self.out_proj.weight.view(count, -1, self.out_proj.in_features)
-        biases = self.out_proj.bias.view(count, -1)
-        out = []
-        for index in range(count):
-            last = None if last_tokens is None else last_tokens[index]
+        blocks = []
+        for last, indices in _groups(last_tokens, self.produced[1]):
             read = hidden if last is None else hidden[:, -last:]
-            layer = F.linear(read, weights[index], biases[index])
+            block = self._out_proj(read, indices)
             matched = None
             if self.depth_matched is not None:
-                matched = self.depth_matched.aligned_inputs(source, alignment, index, last)
-                layer = layer + self.depth_matched(matched, index)
-            if self.layer_mlps is not None and index in self.layer_mlps.slots:
-                layer = layer + self.layer_mlps(read, matched, index)
-            out.append(layer)
-        return out, self._load_balancing_loss(logits, chosen)
+                matched = self.depth_matched.aligned_inputs(source, alignment, indices, last)
+                block = block + self.depth_matched(matched, indices)
+            if self.layer_mlps is not None and any(index in self.layer_mlps.slots for index in indices):
+                per_layer = list(block.unbind(2))
+                for j, index in enumerate(indices):
+                    if index in self.layer_mlps.slots:
+                        own = self.layer_mlps(read, None if matched is None else matched[:, :, j], index)
+                        per_layer[j] = per_layer[j] + own
+                block = torch.stack(per_layer, dim=2)
+            blocks.append((indices, block))
+        return blocks, self._load_balancing_loss(logits, chosen)
+
+    def _out_proj(self, hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """The produced layers `indices` from the shared representation: `(batch, tokens, len(indices),
+        target_features)`. `out_proj` holds every produced layer's rows, layer after layer."""
+        count = self.produced[1]
+        if len(indices) == count:
+            out = self.out_proj(hidden)
+        else:
+            which = layer_index(indices, hidden.device)
+            weight = self.out_proj.weight.view(count, -1, self.out_proj.in_features).index_select(0, which)
+            bias = self.out_proj.bias.view(count, -1).index_select(0, which)
+            out = F.linear(hidden, weight.flatten(0, 1), bias.flatten())
+        return out.view(*hidden.shape[:2], len(indices), -1)
 
     def _load_balancing_loss(self, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         # Switch-Transformer style: num_experts * sum_e (share of routed slots) * (mean router probability).
@@ -470,18 +519,33 @@ def _upload_folder(folder: str, repo_id: str, *, token=None, private=None, revis
 class MoTOutput(ModelOutput):
     """Output of [`MoTTranslator`].
 
+    The produced target layers come in blocks: the layers that need the same target tokens (all of them, or
+    a sliding-window layer's last few) are stacked in one tensor, so that later steps treat them at once.
+
     Args:
-        keys (`list[torch.FloatTensor]`): position-free, pre-norm target keys for each produced target layer,
-            each `(batch, target_kv_heads, target_tokens, target_head_dim)`.
-        values (`list[torch.FloatTensor]`): target values, same shapes.
-        layers (`list[int]`): the target layer index of each entry.
+        key_blocks (`list[torch.FloatTensor]`): position-free, pre-norm target keys, one `(len(layers), batch,
+            target_kv_heads, tokens, target_head_dim)` tensor per block.
+        value_blocks (`list[torch.FloatTensor]`): target values, same shapes.
+        block_layers (`list[list[int]]`): the target layer index of each entry of each block.
         aux_loss (`torch.FloatTensor`): router load-balancing loss (mean of the key and value mixtures).
     """
 
-    keys: list[torch.Tensor] | None = None
-    values: list[torch.Tensor] | None = None
-    layers: list[int] | None = None
+    key_blocks: list[torch.Tensor] | None = None
+    value_blocks: list[torch.Tensor] | None = None
+    block_layers: list[list[int]] | None = None
     aux_loss: torch.Tensor | None = None
+
+    @property
+    def layers(self) -> list[int]:
+        """Every produced target layer, in order."""
+        return sorted(layer for layers in self.block_layers for layer in layers)
+
+    def layer_states(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values per target layer, each `(batch, target_kv_heads, tokens, target_head_dim)` (views)."""
+        states = {}
+        for layers, keys, values in zip(self.block_layers, self.key_blocks, self.value_blocks, strict=True):
+            states.update(zip(layers, zip(keys.unbind(0), values.unbind(0), strict=True), strict=True))
+        return dict(sorted(states.items()))
 
 
 class MoTTranslator(PreTrainedModel):
@@ -638,8 +702,8 @@ class MoTTranslator(PreTrainedModel):
 
     def forward(
         self,
-        source_keys: list[torch.Tensor],
-        source_values: list[torch.Tensor],
+        source_keys: torch.Tensor | list[torch.Tensor],
+        source_values: torch.Tensor | list[torch.Tensor],
         alignment: TokenAlignment,
         target_embeddings: torch.Tensor | None = None,
         last_tokens: list[int | None] | None = None,
@@ -647,9 +711,10 @@ class MoTTranslator(PreTrainedModel):
         """Translate position-free source keys and values.
 
         Args:
-            source_keys (`list[torch.FloatTensor]`): one `(batch, source_kv_heads, source_tokens, head_dim)`
-                tensor per source layer, RoPE undone (see `hf_mot.kv.read_source_cache`).
-            source_values (`list[torch.FloatTensor]`): the source values, same shapes.
+            source_keys (`torch.FloatTensor` or `list[torch.FloatTensor]`): the source keys stacked `(source_layers,
+                batch, source_kv_heads, source_tokens, head_dim)` (or a list of one tensor per layer), RoPE undone
+                (see `hf_mot.kv.read_source_cache`).
+            source_values: the source values, same shapes.
             alignment ([`TokenAlignment`]): target tokens onto source tokens.
             target_embeddings (`torch.FloatTensor` of shape `(batch, target_tokens, target_embedding_size)`,
                 *optional*): the target model's input embeddings of the target tokens,
@@ -682,29 +747,38 @@ class MoTTranslator(PreTrainedModel):
                 f"{tuple(target_embeddings.shape)}: embed the same target tokens the alignment was built for."
             )
 
-        def features(tensors):
-            # Token-major `(batch, tokens, layers, heads * dim)`: one copy, and every layer of a token in a row.
-            batch, heads, tokens, dim = tensors[0].shape
-            return torch.stack([t.to(self.dtype).transpose(1, 2).reshape(batch, tokens, heads * dim)
-                                for t in tensors], dim=2)
+        def features(states):
+            # Token-major `(batch, tokens, layers, heads * dim)`: every layer of a token in a row.
+            states = torch.stack(list(states)) if isinstance(states, (list, tuple)) else states
+            layers, batch, heads, tokens, dim = states.shape
+            return states.to(self.dtype).permute(1, 3, 0, 2, 4).reshape(batch, tokens, layers, heads * dim)
 
-        def heads(translated):
-            return [
-                layer.view(*layer.shape[:2], target.num_kv_heads, target.head_dim).transpose(1, 2)
-                for layer in translated
-            ]
+        def heads(block):
+            # (batch, tokens, layers, heads * dim) -> (layers, batch, heads, tokens, dim)
+            return block.unflatten(-1, (target.num_kv_heads, target.head_dim)).permute(2, 0, 3, 1, 4)
 
+        first = self.produced_layers[0]
         if self.config.architecture == "per_layer":
             keys, values = self.projector(features(source_keys), features(source_values), alignment)
-            if last_tokens is not None:
-                keys, values = ([s if n is None else s[:, -n:] for s, n in zip(states, last_tokens, strict=True)]
-                                for states in (keys, values))
-            zero = keys[0].new_zeros(())
-            return MoTOutput(keys=heads(keys), values=heads(values), layers=self.produced_layers, aux_loss=zero)
+            key_blocks, value_blocks, block_layers = [], [], []
+            for last, indices in _groups(last_tokens, len(self.produced_layers)):
+                pick = [keys[i] for i in indices], [values[i] for i in indices]
+                key_block, value_block = (torch.stack(p, dim=2) for p in pick)
+                if last is not None:
+                    key_block, value_block = key_block[:, -last:], value_block[:, -last:]
+                key_blocks.append(heads(key_block))
+                value_blocks.append(heads(value_block))
+                block_layers.append([first + i for i in indices])
+            return MoTOutput(key_blocks=key_blocks, value_blocks=value_blocks, block_layers=block_layers,
+                             aux_loss=key_blocks[0].new_zeros(()))
         keys, key_balance = self.key_mixture(features(source_keys), alignment, target_embeddings, last_tokens)
         values, value_balance = self.value_mixture(features(source_values), alignment, target_embeddings, last_tokens)
-        return MoTOutput(keys=heads(keys), values=heads(values), layers=self.produced_layers,
-                         aux_loss=(key_balance + value_balance) / 2)
+        return MoTOutput(
+            key_blocks=[heads(block) for _, block in keys],
+            value_blocks=[heads(block) for _, block in values],
+            block_layers=[[first + i for i in indices] for indices, _ in keys],
+            aux_loss=(key_balance + value_balance) / 2,
+        )
 
     def check_pair(self, source_model=None, target_model=None, source_tokenizer=None, target_tokenizer=None) -> None:
         """Raise a `ValueError` if the given models or tokenizers are not the ones this translator was built for."""

@@ -9,10 +9,10 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from ._compat import cache_kwarg, returned_cache
-from .alignment import TokenAlignment, align_spans, build_alignment
+from .alignment import TokenAlignment, build_alignment, span_overlaps
 from .cache import TranslatedCache
 from .kv import KVLayout, SourceKV, finish_target_keys, positions_from_mask, read_source_cache, tokenizer_fingerprint
-from .modeling_mot import MoTOutput, MoTTranslator
+from .modeling_mot import MoTOutput, MoTTranslator, layer_index
 
 
 @dataclass
@@ -73,7 +73,7 @@ def align_contexts(
     rows = None
     if not identical:
         pairs = zip(source.spans, target.spans, source.special, target.special, strict=True)
-        rows = [align_spans(*pair) for pair in pairs]
+        rows = [span_overlaps(*pair) for pair in pairs]
     return build_alignment(rows, source.lengths, target.lengths, is_identity=identical)
 
 
@@ -98,9 +98,9 @@ def prefill_source(model: PreTrainedModel, encoded: EncodedContext) -> Cache:
 
 
 def _check_devices_and_dtypes(translator: MoTTranslator, source: SourceKV, target_model: PreTrainedModel) -> None:
-    key = source.keys[0]
+    key = source.keys
     for name, device in (("translator", translator.device), ("target_model", target_model.device)):
-        if device.type != key.device.type:
+        if device != key.device:
             raise ValueError(
                 f"`{name}` is on {device} but the source cache is on {key.device}: move both models and the "
                 f"translator to one device (`.to('{key.device}')`)."
@@ -129,25 +129,29 @@ def run_translator(
     if config.target_embedding_size is not None:
         with torch.no_grad():  # the target is frozen; only the translator learns
             embeddings = target_model.get_input_embeddings()(target_input_ids)
+    # Looked up before the translator runs: reading the first tokens makes the CPU wait for the device, which
+    # costs least while nothing is queued.
+    first = first_token_states(target_model, target_input_ids, target_attention_mask)
     out = translator(source.keys, source.values, alignment, target_embeddings=embeddings, last_tokens=last_tokens)
-    return native_first_token(out, target_model, target_input_ids, target_attention_mask)
+    return place_first_token(out, *first)
 
 
 # What the target caches for a first token depends only on its weights and the token, so it is computed once
 # per (model, token): a one-token pass costs ~60 ms here, as much as translating a short context. Entries are
-# dropped when any parameter of the model is replaced or changed in place (its tensor `_version` moves).
+# dropped when any parameter of the model is replaced, changed in place (its tensor `_version` moves) or moved
+# to another device or dtype.
 _FIRST_TOKEN_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _first_token_states(target_model: PreTrainedModel, tokens: list[int]) -> SourceKV:
-    """The target's position-free keys and values of each token read alone at position 0, `(len(tokens),
-    heads, 1, head_dim)` per layer."""
-    weights = tuple((id(p), p._version) for p in target_model.parameters())
+    """The target's position-free keys and values of each token read alone at position 0, stacked `(layers,
+    len(tokens), heads, 1, head_dim)`."""
+    weights = tuple((id(p), p._version, p.device, p.dtype) for p in target_model.parameters())
     store = _FIRST_TOKEN_STATES.setdefault(target_model, {})
     if store.get("weights") != weights:
         store.clear()
-        store["weights"] = weights
-    missing = sorted({token for token in tokens if token not in store})
+        store.update(weights=weights, tokens=[], keys=None, values=None)
+    missing = sorted(set(tokens) - set(store["tokens"]))
     if missing:
         ids = torch.tensor(missing, device=target_model.device)[:, None]
         zeros, ones = torch.zeros_like(ids), torch.ones_like(ids)
@@ -155,13 +159,13 @@ def _first_token_states(target_model: PreTrainedModel, tokens: list[int]) -> Sou
         with torch.no_grad():
             read_into_cache(target_model, cache, ids, position_ids=zeros)
             states = read_source_cache(cache, target_model, ones, zeros)
-        for row, token in enumerate(missing):
-            store[token] = [(k[row : row + 1], v[row : row + 1]) for k, v in zip(states.keys, states.values,
-                                                                                   strict=True)]
-    layers = range(len(store[tokens[0]]))
-    keys = [torch.cat([store[token][layer][0] for token in tokens]) for layer in layers]
-    values = [torch.cat([store[token][layer][1] for token in tokens]) for layer in layers]
-    return SourceKV(keys=keys, values=values, attention_mask=torch.ones(len(tokens), 1, dtype=torch.long))
+        known = store["keys"] is not None
+        store["keys"] = torch.cat([store["keys"], states.keys], dim=1) if known else states.keys
+        store["values"] = torch.cat([store["values"], states.values], dim=1) if known else states.values
+        store["tokens"] = store["tokens"] + missing
+    rows = torch.tensor([store["tokens"].index(token) for token in tokens], device=store["keys"].device)
+    return SourceKV(keys=store["keys"].index_select(1, rows), values=store["values"].index_select(1, rows),
+                    attention_mask=torch.ones(len(tokens), 1, dtype=torch.long))
 
 
 def native_first_token(
@@ -175,23 +179,37 @@ def native_first_token(
     token to be translated from. On 200 held-out pairs (64-512 tokens) this alone, with no retraining, lifted a
     translator trained without it from 77.4% to 81.2% of the NLL gap closed in full mode.
     """
+    return place_first_token(translated, *first_token_states(target_model, input_ids, attention_mask))
+
+
+def first_token_states(
+    target_model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[SourceKV, torch.Tensor]:
+    """The target's own states of each row's first context token, and where that token is: a `(1, batch, 1,
+    tokens, 1)` mask that broadcasts over a block of translator output (see `native_first_token`)."""
     real = attention_mask.bool()
     first = real.long().argmax(dim=1)  # left padding: the first real column of each row
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     own = _first_token_states(target_model, input_ids[rows, first].tolist())
-    at_first = torch.zeros_like(real)
-    at_first[rows, first] = True
-    at_first = at_first[:, None, :, None]  # (batch, heads, tokens, head_dim)
+    at_first = torch.zeros_like(real).index_put_((rows, first), torch.tensor(True, device=real.device))
+    return own, at_first[None, :, None, :, None]
 
-    def place(translated_states, own_states):
-        # A layer may hold only its last tokens (`last_tokens`); the first token may then not be among them.
-        return [
-            torch.where(at_first[:, :, -states.shape[2] :], own_states[layer].to(states.dtype), states)
-            for layer, states in zip(translated.layers, translated_states, strict=True)
-        ]
 
-    return MoTOutput(keys=place(translated.keys, own.keys), values=place(translated.values, own.values),
-                     layers=translated.layers, aux_loss=translated.aux_loss)
+def place_first_token(translated: MoTOutput, own: SourceKV, at_first: torch.Tensor) -> MoTOutput:
+    """`translated` with the first token's states replaced by `own` (see `first_token_states`)."""
+
+    def place(blocks, own_states):
+        # A block may hold only its last tokens (`last_tokens`); the first token may then not be among them.
+        out = []
+        for layers, states in zip(translated.block_layers, blocks, strict=True):
+            ours = own_states if len(layers) == len(own_states) else own_states.index_select(
+                0, layer_index(layers, own_states.device))
+            out.append(torch.where(at_first[..., -states.shape[3] :, :], ours.to(states.dtype), states))
+        return out
+
+    return MoTOutput(key_blocks=place(translated.key_blocks, own.keys),
+                     value_blocks=place(translated.value_blocks, own.values),
+                     block_layers=translated.block_layers, aux_loss=translated.aux_loss)
 
 
 def build_translated_cache(
@@ -248,9 +266,9 @@ def build_translated_cache(
         target.input_ids[:, :-native_tail], target.attention_mask[:, :-native_tail], target.spans, target.special
     )
     translated = MoTOutput(
-        keys=[k[:, :, :-native_tail] for k in translated.keys],
-        values=[v[:, :, :-native_tail] for v in translated.values],
-        layers=translated.layers,
+        key_blocks=[k[:, :, :, :-native_tail] for k in translated.key_blocks],
+        value_blocks=[v[:, :, :, :-native_tail] for v in translated.value_blocks],
+        block_layers=translated.block_layers,
         aux_loss=translated.aux_loss,
     )
     cache, _ = fill_translated_cache(translated, target_model, head, mode, layers, source_id=source_id)
@@ -318,35 +336,29 @@ def fill_translated_cache(
     )
     context_kv = {}
     context_tokens = positions.shape[1]
-    for layer_idx, keys, values in zip(translated.layers, translated.keys, translated.values, strict=True):
-        if layer_idx not in layers:
+    for block_layers, keys, values in zip(translated.block_layers, translated.key_blocks, translated.value_blocks,
+                                          strict=True):
+        wanted = [j for j, layer in enumerate(block_layers) if layer in layers]
+        if not wanted:
             continue
-        kept = keys.shape[2]  # a sliding-window layer may come with only the tokens it keeps
-        keys = finish_target_keys(target_model, layer_idx, keys.to(dtype), positions[:, context_tokens - kept :])
-        context_kv[layer_idx] = (keys, values.to(dtype))
-        if mode == "full":
-            cache.update(*context_kv[layer_idx], layer_idx)
-            if kept < context_tokens:
-                _count_dropped_tokens(cache, layer_idx, context_tokens - kept)
-        else:
-            cache.inject(layer_idx, *context_kv[layer_idx])
+        if len(wanted) < len(block_layers):
+            which = layer_index(wanted, keys.device)
+            keys, values = keys.index_select(0, which), values.index_select(0, which)
+            block_layers = [block_layers[j] for j in wanted]
+        kept = keys.shape[3]  # a sliding-window block may come with only the tokens its layers keep
+        keys = finish_target_keys(target_model, block_layers, keys, positions[:, context_tokens - kept :]).to(dtype)
+        values = values.to(dtype)
+        for layer_idx, layer_keys, layer_values in zip(block_layers, keys.unbind(0), values.unbind(0), strict=True):
+            context_kv[layer_idx] = (layer_keys, layer_values)
+            if mode == "full":
+                cache.place(layer_idx, layer_keys, layer_values, context_tokens)
+            else:
+                cache.inject(layer_idx, layer_keys, layer_values)
     if mode == "window":
         cache.record_context_kv = context_kv
         read_into_cache(target_model, cache, target.input_ids, target.attention_mask, positions)
         cache.record_context_kv = None
-    return cache, context_kv
-
-
-def _count_dropped_tokens(cache: TranslatedCache, layer_idx: int, dropped: int) -> None:
-    # The layer saw every context token; it was handed only the ones it keeps. Its token count sets the positions
-    # and the attention mask from here on, so it must count the others too.
-    layer = cache.layers[layer_idx]
-    if not getattr(layer, "is_sliding", False) or not hasattr(layer, "cumulative_length"):
-        raise ValueError(
-            f"Target layer {layer_idx} was translated for its last tokens only, but its cache layer "
-            f"({type(layer).__name__}) is not a sliding-window layer that can skip the others."
-        )
-    layer.cumulative_length += dropped
+    return cache, dict(sorted(context_kv.items()))
 
 
 @torch.no_grad()

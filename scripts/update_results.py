@@ -22,7 +22,7 @@ SHIPPED = "hf-mot/smollm2-135m-to-gemma3-270m"
 RUNS = [
     [sys.executable, "benchmarks/lm_fidelity.py", "--translator", f"shipped={SHIPPED}", "--native-tail", "16",
      "--lengths", "64", "128", "256", "512", "--per-length", "50"],
-    [sys.executable, "benchmarks/translation_cost.py", "--lengths", "256", "1024", "2048", "4096", "--trials", "3"],
+    [sys.executable, "benchmarks/translation_cost.py", "--lengths", "512", "1024", "2048", "4096", "--trials", "5"],
     [sys.executable, "-m", "hf_mot.cli", "evaluate", "--translator", SHIPPED, "--limit", "12", "--lengths", "512",
      "1024", "2048", "4096", "--native-tail", "16", "--output-dir", "benchmarks/results/evaluation"],
     [sys.executable, "benchmarks/layer_attribution.py", "--translator", SHIPPED],
@@ -80,11 +80,14 @@ def cost() -> list[str]:
     report = load_result("translation_cost.json")
     if report is None:
         return []
+    machine, trials = report["machine"], len(report["rows"][0]["translate"]["times_s"])
     return [
         "### Cost of translation against re-prefill",
         "",
-        f"`{report['command']}`: medians; the source cache already exists; +MB is the peak resident memory the "
-        "step added (measured in a separate run).",
+        f"`{report['command']}` on {machine['cpu']} ({', '.join(machine.get('cpu_features', []))}, "
+        f"{machine['threads']} threads, {report['dtype']}): medians of {trials} calls; the source cache already "
+        "exists; +MB is the peak resident memory the step added (measured in a separate run); the last column "
+        "counts top-level PyTorch operators, each a kernel launch or more on a GPU.",
         "",
         report["table"],
         "",
@@ -99,13 +102,15 @@ def gpu_cost() -> list[str]:
     if report is None:
         return []
     longest = report["rows"][-1]
-    full, prefill = longest["translate_full"]["median_s"], longest["native_target_prefill"]["median_s"]
+    translate = longest.get("translate", longest.get("translate_full"))
+    full, prefill = translate["median_s"], longest["native_target_prefill"]["median_s"]
     return [
         "",
-        f"On one {report['machine']['gpu']} (bfloat16, the same architectures with random weights) translation is "
-        f"slower than prefill: at {longest['target_tokens']:,} tokens full mode takes {1000 * full:.0f} ms against "
-        f"{1000 * prefill:.0f} ms for the target's prefill. Both are bound by kernel-launch overhead there; see "
-        "[the H200 notes](benchmarks/results/h200/README.md).",
+        f"On one {report['machine']['gpu']} (bfloat16, the same architectures with random weights; "
+        f"`{report['command']}`) at {longest['target_tokens']:,} tokens full mode took {1000 * full:.0f} ms against "
+        f"{1000 * prefill:.0f} ms for the target's prefill (torch {report['machine']['torch']}, "
+        f"{'before' if 'translate_full' in longest else 'after'} the hot path was rewritten as a few operations for "
+        "all layers at once); see [the H200 notes](benchmarks/results/h200/README.md).",
     ]
 
 

@@ -169,8 +169,8 @@ def native_and_translated(
         target_tokenizer=tokenizer, injection_mode=injection_mode, native_tail=native_tail,
     )
     batch = len(contexts) if isinstance(contexts, list) else 1
-    prompt_ids = tokenizer([prompt] * batch, return_tensors="pt", add_special_tokens=False).input_ids
-    context = encode_contexts(tokenizer, contexts if isinstance(contexts, list) else [contexts])
+    prompt_ids = tokenizer([prompt] * batch, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
+    context = encode_contexts(tokenizer, contexts if isinstance(contexts, list) else [contexts], model.device)
     full_ids = torch.cat([context.input_ids, prompt_ids], dim=1)
     full_mask = torch.cat([context.attention_mask, torch.ones_like(prompt_ids)], dim=1)
     seed = generate_kwargs.pop("seed", None)

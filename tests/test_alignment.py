@@ -1,5 +1,6 @@
 """Token alignment across tokenizers, from character offsets."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer
@@ -123,7 +124,7 @@ def test_source_tokens_whose_ends_go_back_still_align():
 
 
 def test_build_alignment_left_pads():
-    rows = [[[(0, 1.0)], [(1, 1.0)]], [[(0, 1.0)]]]
+    rows = [(np.array([[0], [1]]), np.array([[1.0], [1.0]])), (np.array([[0]]), np.array([[1.0]]))]
     alignment = build_alignment(rows, num_source_tokens=[2, 1], num_target_tokens=[2, 1])
     dense = alignment.to_dense()
     assert dense[1].tolist() == [[0.0, 0.0], [0.0, 1.0]]

@@ -173,7 +173,8 @@ def test_sliding_layers_get_only_the_tokens_they_keep(native_tail):
         out = run_translator(translator, source_kv, align_contexts(source_enc, target_enc), target,
                              target_enc.input_ids, target_enc.attention_mask)
     if native_tail:  # the tail as build_translated_cache reads it, on top of every token translated
-        out.keys, out.values = ([s[:, :, :-native_tail] for s in states] for states in (out.keys, out.values))
+        out.key_blocks, out.value_blocks = ([s[:, :, :, :-native_tail] for s in blocks]
+                                            for blocks in (out.key_blocks, out.value_blocks))
         head = type(target_enc)(target_enc.input_ids[:, :-native_tail], target_enc.attention_mask[:, :-native_tail],
                                 target_enc.spans, target_enc.special)
         every, _ = fill_translated_cache(out, target, head, "full")
@@ -356,7 +357,7 @@ def test_widened_translator_starts_as_the_one_it_widens():
     encoded, source_kv, alignment = _one_context_for_the_translator(source, tok)
     embeddings = target.get_input_embeddings()(encoded.input_ids)
     out = wide.train()(source_kv.keys, source_kv.values, alignment, target_embeddings=embeddings)
-    sum(k.square().sum() + v.square().sum() for k, v in zip(out.keys, out.values, strict=True)).backward()
+    sum(k.square().sum() + v.square().sum() for k, v in zip(out.key_blocks, out.value_blocks, strict=True)).backward()
     mixture = wide.value_mixture
     grad = mixture.in_proj.weight.grad.abs()
     # Added hidden dimensions learn at the pace of the old ones (through the layer norm alone: 0.2% of it).

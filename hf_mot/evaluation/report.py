@@ -29,7 +29,16 @@ def machine_info(threads: int | None = None) -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads or torch.get_num_threads(),
+    features = []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        # The ones that decide whether bfloat16 matmuls are native or emulated (and several times slower).
+        features = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_features": features, "cores": os.cpu_count(),
+            "threads": threads or torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__}
