@@ -51,6 +51,8 @@ class TranslatedCache(DynamicCache):
         self.target_id = target_id
         self.injection_mode = injection_mode
         self.num_context_tokens = attention_mask.shape[1]
+        # How many of the last context tokens the target read itself rather than taking their translation.
+        self.native_tokens = 0
         # Layers whose next `update()` must store translated states instead of the ones the target computed.
         self._injections: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # When a dict, `update()` records into it what each layer attends to over the context (full length,

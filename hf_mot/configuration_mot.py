@@ -11,6 +11,18 @@ INITS = ("random", "identity")
 ARCHITECTURES = ("mixture", "per_layer")
 
 
+def check_recompute(recompute, name: str = "`recompute`") -> float:
+    """`recompute` as a float in [0, 1], or a `TypeError`/`ValueError` that says what it must be."""
+    if isinstance(recompute, bool) or not isinstance(recompute, (int, float)):
+        raise TypeError(f"{name} must be a number in [0, 1], got {type(recompute).__name__} {recompute!r}.")
+    if not 0.0 <= recompute <= 1.0:  # also refuses NaN
+        raise ValueError(
+            f"{name} must be in [0, 1] (0: pure translation, 1: the target reads the whole context itself), "
+            f"got {recompute!r}."
+        )
+    return float(recompute)
+
+
 class MoTConfig(PretrainedConfig):
     r"""
     Configuration of a [`MoTTranslator`], which maps one model's KV cache (the source) into another's (the target).
@@ -53,6 +65,10 @@ class MoTConfig(PretrainedConfig):
             need more than the shared representation gives them (Gemma 3's full-attention layers, the only ones
             that reach past its sliding window). Its output starts at zero.
         layer_mlp_size (`int`, *optional*, defaults to 512): inner width of each of those MLPs.
+        recompute (`float`, *optional*, defaults to 0.0): the share of a native prefill's compute that
+            `translate_context(..., recompute=None)` lets the target spend reading part of the context itself (see
+            `translate_context`): the translator's recommended point of its speed/quality curve. 0 is pure
+            translation, until a curve measured for this translator says otherwise.
         architecture (`str`, *optional*, defaults to `"mixture"`): `"mixture"` is the Mixture of Translators;
             `"per_layer"` is the Cache-to-Cache-style baseline (one MLP per target layer over one source layer's
             keys and values, `expert_hidden_size` wide; no router).
@@ -87,9 +103,11 @@ class MoTConfig(PretrainedConfig):
     local_context_tokens: int = 0
     layer_mlp_layers: list[int] | None = None
     layer_mlp_size: int = 512
+    recompute: float = 0.0
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        check_recompute(self.recompute, "`recompute`")
         for name, allowed in (
             ("injection_mode", INJECTION_MODES),
             ("init", INITS),

@@ -97,7 +97,8 @@ def render_model_card(
             f"{size}{config.num_experts} experts per mixture (top-{config.num_experts_per_token}), hidden size "
             f"{config.hidden_size}, expert width {config.expert_hidden_size}, reading all source layers"
             f"{' and the target token embeddings' if config.target_embedding_size else ''}{depth_matched}, "
-            f"`{config.injection_mode}` mode, target layers {start}-{start + count - 1}"
+            f"`{config.injection_mode}` mode, target layers {start}-{start + count - 1}; recommended `recompute` "
+            f"{config.recompute:g} (what `translate_context(..., recompute=None)` uses)"
         ),
         source_load_name=source_load_name or source.name_or_path or "SOURCE_MODEL",
         target_load_name=target_load_name or target.name_or_path or "TARGET_MODEL",

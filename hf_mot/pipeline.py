@@ -11,6 +11,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokeniz
 from ._compat import cache_kwarg, returned_cache
 from .alignment import TokenAlignment, build_alignment, span_overlaps
 from .cache import TranslatedCache
+from .configuration_mot import check_recompute
 from .kv import KVLayout, SourceKV, finish_target_keys, positions_from_mask, read_source_cache, tokenizer_fingerprint
 from .modeling_mot import MoTOutput, MoTTranslator, layer_index
 
@@ -273,6 +274,7 @@ def build_translated_cache(
     )
     cache, _ = fill_translated_cache(translated, target_model, head, mode, layers, source_id=source_id)
     cache.attention_mask, cache.num_context_tokens = target.attention_mask, target.input_ids.shape[1]
+    cache.native_tokens = native_tail
     read_into_cache(target_model, cache, target.input_ids[:, -native_tail:], target.attention_mask,
                     target.position_ids[:, -native_tail:])
     return cache
@@ -361,6 +363,33 @@ def fill_translated_cache(
     return cache, dict(sorted(context_kv.items()))
 
 
+def _recompute_share(recompute, native_tail: int, translator: MoTTranslator, mode: str) -> float:
+    """The share of a prefill the target spends reading the context (see `translate_context`)."""
+    if recompute is None:
+        return 0.0 if native_tail or mode != "full" else translator.config.recompute
+    share = check_recompute(recompute)
+    if native_tail:
+        raise ValueError(
+            f"`recompute={recompute!r}` and `native_tail={native_tail!r}` both set how much of the context the "
+            "target reads itself: pass one of them."
+        )
+    if 0.0 < share < 1.0 and mode != "full":
+        raise ValueError(
+            f"`recompute={recompute!r}` needs `injection_mode='full'`: in {mode!r} mode the target already reads "
+            "every context token itself."
+        )
+    return share
+
+
+def read_context(target_model: PreTrainedModel, target: EncodedContext, source_id: str = "") -> TranslatedCache:
+    """The target's own prefill of the contexts, as a `TranslatedCache` (the dial's exact end, `recompute=1`)."""
+    cache = TranslatedCache(target_model.config, attention_mask=target.attention_mask, source_id=source_id,
+                            target_id=target_model.config.name_or_path)
+    read_into_cache(target_model, cache, target.input_ids, target.attention_mask, target.position_ids)
+    cache.native_tokens = target.input_ids.shape[1]
+    return cache
+
+
 @torch.no_grad()
 def translate_context(
     context: str | list[str],
@@ -374,6 +403,7 @@ def translate_context(
     injection_mode: str | None = None,
     injection_window: tuple[int, int] | None = None,
     native_tail: int = 0,
+    recompute: float | None = None,
 ) -> TranslatedCache:
     """Translate what the source model read into a cache the target model can continue from.
 
@@ -388,6 +418,16 @@ def translate_context(
         injection_mode (`str`, *optional*): `"full"` or `"window"`; defaults to the translator's config.
         injection_window (`tuple[int, int]`, *optional*): in `"window"` mode, inject only the translator's
             layers `start .. start + count - 1`.
+        native_tail (`int`, *optional*, defaults to 0): the target reads the last this many context tokens itself,
+            on top of the translation of the rest (full mode). `recompute` sets it from a share instead.
+        recompute (`float`, *optional*): the speed/quality dial, the share of a native prefill's compute the
+            target may spend reading part of the context itself: 0 is pure translation (fastest), 1 the target's
+            own prefill (exact; neither the source cache nor the translator is read). In between, the target
+            reads the last `floor(recompute * context tokens)` tokens itself on top of the translation of the
+            rest, which costs about that share of a prefill (a little more in attention, which grows with the
+            context). `None` takes the translator's recommended value (`translator.config.recompute`), or none
+            when `native_tail` is given. How the budget is spent may improve between versions; the budget is the
+            promise.
 
     Returns:
         [`TranslatedCache`]: pass it to `target_model.generate()` with only the new tokens as `input_ids`.
@@ -412,7 +452,13 @@ def translate_context(
             f"`context` is {target_enc.input_ids.shape[1]} target tokens long but the target model holds at most "
             f"{limit}: shorten the context or split it; nothing is truncated silently."
         )
-    _check_native_tail(native_tail, injection_mode or translator.config.injection_mode, target_enc.input_ids.shape[1])
+    mode = injection_mode or translator.config.injection_mode
+    share = _recompute_share(recompute, native_tail, translator, mode)
+    if share == 1.0:
+        return read_context(target_model, target_enc, source_id=source_model.config.name_or_path)
+    if share:
+        native_tail = int(share * target_enc.input_ids.shape[1])
+    _check_native_tail(native_tail, mode, target_enc.input_ids.shape[1])
     same_tokenizer = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
     alignment = align_contexts(source_enc, target_enc, same_tokenizer=same_tokenizer)
     if source_cache is None:

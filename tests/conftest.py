@@ -154,19 +154,23 @@ def identity_translator(model, tokenizer, **options):
 
 
 def native_and_translated(
-    model, tokenizer, translator, contexts, prompt, *, injection_mode=None, native_tail=0, **generate_kwargs
+    model, tokenizer, translator, contexts, prompt, *, injection_mode=None, native_tail=0, recompute=None,
+    target=None, target_tokenizer=None, **generate_kwargs
 ):
     """Generate from native prefill of context + prompt, and from the translated cache + prompt.
 
-    Returns the two token tensors (new tokens only).
+    `model` is the source and, unless `target`/`target_tokenizer` are given, the target. Returns the two token
+    tensors (new tokens only).
     """
     from hf_mot import translate_context
     from hf_mot._compat import cache_kwarg
     from hf_mot.pipeline import encode_contexts
 
+    source, source_tokenizer = model, tokenizer
+    model, tokenizer = target or model, target_tokenizer or tokenizer
     cache = translate_context(
-        contexts, translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
-        target_tokenizer=tokenizer, injection_mode=injection_mode, native_tail=native_tail,
+        contexts, translator=translator, source_model=source, source_tokenizer=source_tokenizer, target_model=model,
+        target_tokenizer=tokenizer, injection_mode=injection_mode, native_tail=native_tail, recompute=recompute,
     )
     batch = len(contexts) if isinstance(contexts, list) else 1
     prompt_ids = tokenizer([prompt] * batch, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)

@@ -38,8 +38,21 @@ def test_generate_prints_answer_and_timings(dirs):
                      "--max-new-tokens", "4")
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("answer: ")
-    assert "translation (full mode):" in lines[1] and "native prefill of the target:" in lines[1]
+    assert lines[0].startswith("answer: ") and lines[1].startswith("target's own answer")
+    assert "translation (full mode):" in lines[2] and "native prefill of the target:" in lines[2]
+
+
+def test_generate_at_recompute_one_answers_as_the_target_itself(dirs):
+    result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
+                     dirs / "translator", "--context-file", dirs / "doc.txt", "--recompute", "1",
+                     "--max-new-tokens", "6")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split(": ", 1)[1] == lines[1].split(": ", 1)[1]
+    assert "all read natively" in lines[2]
+    result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
+                     dirs / "translator", "--context-file", dirs / "doc.txt", "--recompute", "1.5")
+    assert result.returncode == 1 and "must be in [0, 1]" in result.stderr.strip().splitlines()[-1]
 
 
 def test_generate_with_a_native_tail(dirs):
