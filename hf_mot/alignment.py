@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from .kv import cast
+
 Span = tuple[int, int]
 
 
@@ -80,8 +82,8 @@ class TokenAlignment:
         half = flat.dtype in (torch.bfloat16, torch.float16)
         compute = torch.float32 if flat.device.type == "cpu" and half else flat.dtype
         with torch.autocast(features.device.type, enabled=False):
-            out = F.embedding_bag(index, flat.to(compute), per_sample_weights=weight.to(compute), mode="sum")
-        out = out.to(features.dtype)
+            out = F.embedding_bag(index, cast(flat, compute), per_sample_weights=cast(weight, compute), mode="sum")
+        out = cast(out, features.dtype)
         if not lead:
             return out.view(batch, rows, dim)
         return out.t().reshape(dim, *lead, batch, rows).movedim(0, -1)

@@ -163,26 +163,53 @@ class TranslatedCache(DynamicCache):
                 os.unlink(tmp.name)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, config: PretrainedConfig) -> TranslatedCache:
-        """Read a cache written by `save` for a target model with config `config`."""
-        from safetensors import safe_open
+    def load(cls, path: str | os.PathLike, config: PretrainedConfig, device=None) -> TranslatedCache:
+        """Read a cache written by `save` for a target model with config `config`, onto `device` (default: the
+        CPU). Every tensor's shape is checked against `config`; a file that is not such a cache, is truncated or
+        was written for another target is a `ValueError` that says so."""
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("format") != "hf_mot.TranslatedCache":
-                raise ValueError(f"{path} is not a translated cache written by `TranslatedCache.save`.")
-            names = set(f.keys())
-            tensors = {name: f.get_tensor(name) for name in names}
-        cache = cls(config, attention_mask=tensors["attention_mask"], source_id=metadata["source_id"],
-                    target_id=metadata["target_id"], injection_mode=metadata["injection_mode"])
-        seen = json.loads(metadata["seen_tokens"])
+        try:
+            with safe_open(str(path), framework="pt", device=str(device or "cpu")) as f:
+                metadata = f.metadata() or {}
+                if metadata.get("format") != "hf_mot.TranslatedCache":
+                    raise ValueError(f"{path} is not a translated cache written by `TranslatedCache.save`.")
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except SafetensorError as error:
+            raise ValueError(
+                f"{path} is not a readable safetensors file ({error}): it may be truncated or corrupted; write it "
+                "again with `TranslatedCache.save`."
+            ) from error
+        mask = tensors.get("attention_mask")
+        if mask is None or mask.dim() != 2:
+            raise ValueError(f"{path} lacks the (batch, context tokens) attention mask that `save` writes.")
+        cache = cls(config, attention_mask=mask, source_id=metadata.get("source_id", ""),
+                    target_id=metadata.get("target_id", ""), injection_mode=metadata.get("injection_mode", "full"))
+        seen = json.loads(metadata.get("seen_tokens", "[]"))
+        target = metadata.get("target_id") or "see its metadata"
         if len(seen) != len(cache.layers):
             raise ValueError(
                 f"{path} holds {len(seen)} layers but the target config has {len(cache.layers)}: load it with the "
-                f"config of the target it was translated for ({metadata['target_id'] or 'see its metadata'})."
+                f"config of the target it was translated for ({target})."
             )
+        text = config.get_text_config(decoder=True)
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         for index, layer in enumerate(cache.layers):
-            DynamicCache.update(cache, tensors[f"layers.{index}.keys"], tensors[f"layers.{index}.values"], index)
+            keys, values = tensors.get(f"layers.{index}.keys"), tensors.get(f"layers.{index}.values")
+            if keys is None or values is None:
+                raise ValueError(f"{path} lacks the keys or values of layer {index}: write it again with `save`.")
+            kept = min(seen[index], getattr(layer, "sliding_window", seen[index] + 1) - 1)
+            expected = (mask.shape[0], heads, kept, head_dim)
+            if tuple(keys.shape) != expected or tuple(values.shape) != expected:
+                raise ValueError(
+                    f"{path} layer {index} holds keys {tuple(keys.shape)} and values {tuple(values.shape)}, but this "
+                    f"target caches {expected} (batch, KV heads, tokens, head dim) for {seen[index]} context tokens: "
+                    f"load it with the config of the target it was translated for ({target})."
+                )
+            if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+                raise ValueError(f"{path} layer {index} contains NaN or Inf: the cache it was saved from was broken.")
+            DynamicCache.update(cache, keys, values, index)
             if hasattr(layer, "cumulative_length"):
                 layer.cumulative_length = seen[index]
         return cache

@@ -328,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError, OSError) as error:
+    # What bad input or a missing file or package raises, as one line. Not TypeError: past argparse, one is a bug,
+    # and its traceback is what a report needs.
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as error:
         print(f"hf-mot {args.command}: error: {error}", file=sys.stderr)
         return 1
     return 0

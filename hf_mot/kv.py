@@ -161,11 +161,17 @@ def key_norm_scales(model: PreTrainedModel, layers: list[int]) -> torch.Tensor |
     return scales.index_select(0, torch.tensor(layers, device=scales.device))
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype`, without a call when it already is: the hot path counts its operators, and on a GPU each
+    is paid for in launch overhead."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _unscale(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # Channels the norm switches off (scale 0, seen in Gemma 3) are always 0 in the cache: keep them at 0.
-    scale = scale.to(keys.dtype)
-    safe = torch.where(scale.abs() < 1e-6, torch.ones_like(scale), scale)
-    return torch.where(scale.abs() < 1e-6, torch.zeros_like(keys), keys / safe)
+    scale = cast(scale, keys.dtype)
+    off = scale.abs() < 1e-6
+    return (keys / torch.where(off, torch.ones_like(scale), scale)).masked_fill_(off, 0.0)
 
 
 def _rotary(model: PreTrainedModel):
@@ -208,31 +214,43 @@ def layers_cos_sin(
     return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """Rotate each channel pair `(i, i + rotary_dim / 2)` of `x` by the angle in `cos`/`sin`, forward (`sign` 1)
-    or back (-1). Every RoPE of transformers builds its tables as `cat(freqs, freqs)`, so half of each table is all
-    there is; working on halves, with fused multiply-adds, touches the (large) keys fewer times than
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float, inplace: bool = False):
+    """Rotate each channel pair `(i, i + rotary_dim / 2)` of `x` by the angle in `cos`/`sin` (broadcastable to
+    `x`'s channels), forward (`sign` 1) or back (-1). Every RoPE of transformers builds its tables as
+    `cat(freqs, freqs)`, so half of each table is all there is; working on halves with fused multiply-adds (in
+    place, where `x` is a copy no one else holds) touches the large keys fewer times than
     `x * cos + rotate_half(x) * sin`."""
     dim = cos.shape[-1]
     half = dim // 2
-    cos, sin = cos[..., :half].unsqueeze(-3).to(x.dtype), sin[..., :half].unsqueeze(-3).to(x.dtype)
+    cos, sin = cast(cos[..., :half], x.dtype), cast(sin[..., :half], x.dtype)
     first, second, rest = x[..., :half], x[..., half:dim], x[..., dim:]
+    if inplace:
+        original_first = first.clone()
+        first.mul_(cos).addcmul_(second, sin, value=-sign)
+        second.mul_(cos).addcmul_(original_first, sin, value=sign)
+        return x
     first_out = torch.addcmul(first * cos, second, sin, value=-sign)
     second_out = torch.addcmul(second * cos, first, sin, value=sign)
     return torch.cat((first_out, second_out, rest) if rest.shape[-1] else (first_out, second_out), dim=-1)
 
 
+def _unit_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Undoing a rotation scaled by `cos^2 + sin^2` (attention scaling folded into the tables) divides by it: on the
+    # tables, which have no heads axis, rather than on the keys.
+    norm = cos * cos + sin * sin
+    return cos / norm, sin / norm
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` `(..., batch, heads, tokens, head_dim)` by `cos`/`sin` `(..., batch, tokens, rotary_dim)`, with
     the `rotate_half` convention of transformers."""
-    return _rotate(x, cos, sin, 1.0)
+    return _rotate(x, cos.unsqueeze(-3), sin.unsqueeze(-3), 1.0)
 
 
 def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of `apply_rope` (exact up to rounding, also with attention scaling folded into cos/sin)."""
-    # Divided on the tables (no heads axis), not on the keys: the same result for a fraction of the work.
-    norm = cos * cos + sin * sin
-    return _rotate(x, cos / norm, sin / norm, -1.0)
+    cos, sin = _unit_tables(cos, sin)
+    return _rotate(x, cos.unsqueeze(-3), sin.unsqueeze(-3), -1.0)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -243,12 +261,17 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SourceKV:
-    """Position-free keys and values of every source layer, stacked `(layers, batch, kv_heads, tokens, head_dim)`
-    (`keys[i]` is layer `i`). The keys are float32 whatever the model's dtype; the values keep the model's."""
+    """Position-free keys and values of every source layer, token-major `(batch, tokens, layers, kv_heads,
+    head_dim)`: every layer of a token side by side, as the translator reads them. The keys are float32
+    whatever the model's dtype; the values keep the model's."""
 
     keys: torch.Tensor
     values: torch.Tensor
     attention_mask: torch.Tensor
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values in the cache's layout, `(batch, kv_heads, tokens, head_dim)` (views)."""
+        return self.keys[:, :, index].transpose(1, 2), self.values[:, :, index].transpose(1, 2)
 
 
 def _cache_tensors(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -321,13 +344,14 @@ def read_source_cache(
                 f"`source_cache` holds {k.dtype} tensors but `source_model` runs in {model.dtype}: pass the cache "
                 f"that `source_model` produced as it is now, or cast the model with `.to({k.dtype})`."
             )
-    keys = torch.stack([k for k, _, _ in layers])
-    values = torch.stack([v for _, v, _ in layers])
+    # Token-major in one copy each: the translator reads every layer of a token side by side.
+    keys = torch.stack([k.transpose(1, 2) for k, _, _ in layers], dim=2)
+    values = torch.stack([v.transpose(1, 2) for _, v, _ in layers], dim=2)
     # One check for all layers: a check per layer would make the CPU wait for the GPU at every layer. A NaN or Inf
     # anywhere in a layer makes its sum NaN or Inf (finite keys never sum to float32's 3e38): one pass over the
     # cache instead of the several `isfinite` makes.
-    sums = keys.flatten(1).sum(1, dtype=torch.float32) + values.flatten(1).sum(1, dtype=torch.float32)
-    finite = torch.isfinite(sums)
+    dims = (0, 1, 3, 4)
+    finite = torch.isfinite(keys.sum(dims, dtype=torch.float32) + values.sum(dims, dtype=torch.float32))
     if not finite.all():
         layer_idx = int((~finite).nonzero()[0])
         raise ValueError(
@@ -336,14 +360,17 @@ def read_source_cache(
         )
     every = list(range(layout.num_layers))
     # In float32, as `finish_target_keys` redoes it: a half-precision round trip through RoPE would not give back
-    # the cached keys, and the identity translator would not reproduce the model.
-    keys = keys.float()
+    # the cached keys, and the identity translator would not reproduce the model. `keys` is this function's own
+    # copy, so it is rotated in place.
+    keys = cast(keys, torch.float32)
     cos_sin = layers_cos_sin(model, every, position_ids, keys)
     if cos_sin is not None:
-        keys = undo_rope(keys, *cos_sin)
+        cos, sin = _unit_tables(*cos_sin)  # (layers, batch, tokens, dim) -> (batch, tokens, layers, 1, dim)
+        keys = _rotate(keys, cos.permute(1, 2, 0, 3).unsqueeze(3), sin.permute(1, 2, 0, 3).unsqueeze(3), -1.0,
+                       inplace=True)
     scales = key_norm_scales(model, every)
     if scales is not None:
-        keys = _unscale(keys, scales[:, None, None, None])
+        keys = _unscale(keys, scales[:, None])
     return SourceKV(keys=keys, values=values, attention_mask=attention_mask)
 
 
@@ -361,11 +388,11 @@ def finish_target_keys(
     if isinstance(layers, int):
         return finish_target_keys(model, [layers], keys[None], position_ids)[0]
     dtype = keys.dtype
-    keys = keys.float()  # see `read_source_cache`
+    keys = cast(keys, torch.float32)  # see `read_source_cache`
     scales = key_norm_scales(model, layers)
     if scales is not None:
         keys = keys * scales[:, None, None, None]
     cos_sin = layers_cos_sin(model, layers, position_ids, keys)
     if cos_sin is not None:
         keys = apply_rope(keys, *cos_sin)
-    return keys.to(dtype)
+    return cast(keys, dtype)

@@ -20,7 +20,7 @@ from transformers.utils import ModelOutput
 
 from .alignment import TokenAlignment
 from .configuration_mot import MoTConfig
-from .kv import KVLayout, tokenizer_fingerprint
+from .kv import KVLayout, cast, tokenizer_fingerprint
 
 # The translator `hf-mot generate` uses when a (source, target) pair is given without `--translator`: each one ships
 # inside the package.
@@ -316,7 +316,7 @@ class KVMixture(nn.Module):
         # Project before aligning (both are linear): the alignment then moves `hidden_size` features, not all.
         hidden = alignment.apply(self.in_proj(source.reshape(batch, tokens, layers * features)))
         if self.target_tokens is not None:
-            hidden = hidden + self.target_tokens(target_embeddings.to(hidden.dtype))
+            hidden = hidden + self.target_tokens(cast(target_embeddings, hidden.dtype))
         if self.local_context is not None:
             # Padding rows of the alignment have no source token (all weights zero).
             hidden = self.local_context(hidden, alignment.weight.sum(dim=-1).to(hidden.device) > 0)
@@ -331,13 +331,13 @@ class KVMixture(nn.Module):
         # many tokens each got), and the result is the same.
         # All experts side by side are one MLP of `num_experts * expert_hidden_size` units whose units are scaled by
         # their expert's gate before the output projection: two matrix products for all tokens and experts.
-        dense_gates = torch.zeros_like(logits).scatter(1, chosen, gates.to(logits.dtype)).to(normed.dtype)
+        dense_gates = cast(torch.zeros_like(logits).scatter(1, chosen, cast(gates, logits.dtype)), normed.dtype)
         experts, width = self.expert_in.shape[0], self.expert_in.shape[2]
         weight_in = self.expert_in.permute(1, 0, 2).reshape(normed.shape[-1], experts * width)
         inner = F.gelu(torch.addmm(self.expert_in_bias.flatten(), normed, weight_in)).view(-1, experts, width)
         mixed = torch.addmm(dense_gates @ self.expert_out_bias, (inner * dense_gates[..., None]).flatten(1),
                             self.expert_out.reshape(experts * width, -1))
-        hidden = (flat + mixed.to(flat.dtype)).view_as(hidden)
+        hidden = (flat + cast(mixed, flat.dtype)).view_as(hidden)
 
         blocks = []
         for last, indices in _groups(last_tokens, self.produced[1]):
@@ -711,9 +711,10 @@ class MoTTranslator(PreTrainedModel):
         """Translate position-free source keys and values.
 
         Args:
-            source_keys (`torch.FloatTensor` or `list[torch.FloatTensor]`): the source keys stacked `(source_layers,
-                batch, source_kv_heads, source_tokens, head_dim)` (or a list of one tensor per layer), RoPE undone
-                (see `hf_mot.kv.read_source_cache`).
+            source_keys (`torch.FloatTensor` or `list[torch.FloatTensor]`): the source keys token-major `(batch,
+                source_tokens, source_layers, source_kv_heads, head_dim)`, as `hf_mot.kv.read_source_cache` returns
+                them, or a list of one `(batch, source_kv_heads, source_tokens, head_dim)` tensor per layer; RoPE
+                undone.
             source_values: the source values, same shapes.
             alignment ([`TokenAlignment`]): target tokens onto source tokens.
             target_embeddings (`torch.FloatTensor` of shape `(batch, target_tokens, target_embedding_size)`,
@@ -749,9 +750,9 @@ class MoTTranslator(PreTrainedModel):
 
         def features(states):
             # Token-major `(batch, tokens, layers, heads * dim)`: every layer of a token in a row.
-            states = torch.stack(list(states)) if isinstance(states, (list, tuple)) else states
-            layers, batch, heads, tokens, dim = states.shape
-            return states.to(self.dtype).permute(1, 3, 0, 2, 4).reshape(batch, tokens, layers, heads * dim)
+            if isinstance(states, (list, tuple)):
+                states = torch.stack([layer.transpose(1, 2) for layer in states], dim=2)
+            return cast(states.flatten(-2), self.dtype)
 
         def heads(block):
             # (batch, tokens, layers, heads * dim) -> (layers, batch, heads, tokens, dim)

@@ -12,7 +12,15 @@ from ._compat import cache_kwarg, returned_cache
 from .alignment import TokenAlignment, build_alignment, span_overlaps
 from .cache import TranslatedCache
 from .configuration_mot import check_recompute
-from .kv import KVLayout, SourceKV, finish_target_keys, positions_from_mask, read_source_cache, tokenizer_fingerprint
+from .kv import (
+    KVLayout,
+    SourceKV,
+    cast,
+    finish_target_keys,
+    positions_from_mask,
+    read_source_cache,
+    tokenizer_fingerprint,
+)
 from .modeling_mot import MoTOutput, MoTTranslator, layer_index
 
 
@@ -145,8 +153,8 @@ _FIRST_TOKEN_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _first_token_states(target_model: PreTrainedModel, tokens: list[int]) -> SourceKV:
-    """The target's position-free keys and values of each token read alone at position 0, stacked `(layers,
-    len(tokens), heads, 1, head_dim)`."""
+    """The target's position-free keys and values of each token read alone at position 0, token-major
+    `(len(tokens), 1, layers, heads, head_dim)`."""
     weights = tuple((id(p), p._version, p.device, p.dtype) for p in target_model.parameters())
     store = _FIRST_TOKEN_STATES.setdefault(target_model, {})
     if store.get("weights") != weights:
@@ -161,11 +169,11 @@ def _first_token_states(target_model: PreTrainedModel, tokens: list[int]) -> Sou
             read_into_cache(target_model, cache, ids, position_ids=zeros)
             states = read_source_cache(cache, target_model, ones, zeros)
         known = store["keys"] is not None
-        store["keys"] = torch.cat([store["keys"], states.keys], dim=1) if known else states.keys
-        store["values"] = torch.cat([store["values"], states.values], dim=1) if known else states.values
+        store["keys"] = torch.cat([store["keys"], states.keys]) if known else states.keys
+        store["values"] = torch.cat([store["values"], states.values]) if known else states.values
         store["tokens"] = store["tokens"] + missing
     rows = torch.tensor([store["tokens"].index(token) for token in tokens], device=store["keys"].device)
-    return SourceKV(keys=store["keys"].index_select(1, rows), values=store["values"].index_select(1, rows),
+    return SourceKV(keys=store["keys"].index_select(0, rows), values=store["values"].index_select(0, rows),
                     attention_mask=torch.ones(len(tokens), 1, dtype=torch.long))
 
 
@@ -205,11 +213,13 @@ def place_first_token(translated: MoTOutput, own: SourceKV, at_first: torch.Tens
         for layers, states in zip(translated.block_layers, blocks, strict=True):
             ours = own_states if len(layers) == len(own_states) else own_states.index_select(
                 0, layer_index(layers, own_states.device))
-            out.append(torch.where(at_first[..., -states.shape[3] :, :], ours.to(states.dtype), states))
+            out.append(torch.where(at_first[..., -states.shape[3] :, :], cast(ours, states.dtype), states))
         return out
 
-    return MoTOutput(key_blocks=place(translated.key_blocks, own.keys),
-                     value_blocks=place(translated.value_blocks, own.values),
+    # Token-major (batch, 1, layers, heads, dim) -> the blocks' (layers, batch, heads, 1, dim).
+    own_keys, own_values = (states.permute(2, 0, 3, 1, 4) for states in (own.keys, own.values))
+    return MoTOutput(key_blocks=place(translated.key_blocks, own_keys),
+                     value_blocks=place(translated.value_blocks, own_values),
                      block_layers=translated.block_layers, aux_loss=translated.aux_loss)
 
 
@@ -348,8 +358,8 @@ def fill_translated_cache(
             keys, values = keys.index_select(0, which), values.index_select(0, which)
             block_layers = [block_layers[j] for j in wanted]
         kept = keys.shape[3]  # a sliding-window block may come with only the tokens its layers keep
-        keys = finish_target_keys(target_model, block_layers, keys, positions[:, context_tokens - kept :]).to(dtype)
-        values = values.to(dtype)
+        keys = cast(finish_target_keys(target_model, block_layers, keys, positions[:, context_tokens - kept :]), dtype)
+        values = cast(values, dtype)
         for layer_idx, layer_keys, layer_values in zip(block_layers, keys.unbind(0), values.unbind(0), strict=True):
             context_kv[layer_idx] = (layer_keys, layer_values)
             if mode == "full":

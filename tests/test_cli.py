@@ -32,22 +32,22 @@ def _hf_mot(*args):
                           timeout=300)
 
 
-def test_generate_prints_answer_and_timings(dirs):
+def _generate_on_the_document(dirs, *options):
+    """`hf-mot generate` on the tiny pair and document; must succeed. Returns its output lines."""
     result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
-                     dirs / "translator", "--context-file", dirs / "doc.txt", "--prompt", " Q: where? A:",
-                     "--max-new-tokens", "4")
+                     dirs / "translator", "--context-file", dirs / "doc.txt", *options)
     assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.strip().splitlines()
+    return result.stdout.strip().splitlines()
+
+
+def test_generate_prints_answer_and_timings(dirs):
+    lines = _generate_on_the_document(dirs, "--prompt", " Q: where? A:", "--max-new-tokens", "4")
     assert lines[0].startswith("answer: ") and lines[1].startswith("target's own answer")
     assert "translation (full mode):" in lines[2] and "native prefill of the target:" in lines[2]
 
 
 def test_generate_at_recompute_one_answers_as_the_target_itself(dirs):
-    result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
-                     dirs / "translator", "--context-file", dirs / "doc.txt", "--recompute", "1",
-                     "--max-new-tokens", "6")
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.strip().splitlines()
+    lines = _generate_on_the_document(dirs, "--recompute", "1", "--max-new-tokens", "6")
     assert lines[0].split(": ", 1)[1] == lines[1].split(": ", 1)[1]
     assert "all read natively" in lines[2]
     result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
@@ -56,11 +56,8 @@ def test_generate_at_recompute_one_answers_as_the_target_itself(dirs):
 
 
 def test_generate_with_a_native_tail(dirs):
-    result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
-                     dirs / "translator", "--context-file", dirs / "doc.txt", "--native-tail", "8",
-                     "--max-new-tokens", "4")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "translation (full mode, last 8 read natively):" in result.stdout
+    lines = _generate_on_the_document(dirs, "--native-tail", "8", "--max-new-tokens", "4")
+    assert "translation (full mode, last 8 read natively):" in lines[2]
     result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
                      dirs / "translator", "--context", "Hi.", "--native-tail", "8")
     assert result.returncode == 1

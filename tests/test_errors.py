@@ -158,3 +158,87 @@ def test_config_validation(options, message):
 def test_config_without_layouts():
     with pytest.raises(ValueError, match=r"MoTConfig.from_models"):
         MoTTranslator(MoTConfig())
+
+
+def _saved_cache(tmp_path):
+    model, tokenizer = tiny_model("gemma3"), char_tokenizer()  # sliding window 8, shorter than the context
+    cache = translate_context(CONTEXTS[:2], translator=identity_translator(model, tokenizer), source_model=model,
+                              source_tokenizer=tokenizer, target_model=model, target_tokenizer=tokenizer)
+    path = tmp_path / "c.safetensors"
+    cache.save(path)
+    return model, cache, path
+
+
+def test_translated_cache_load_checks_the_file(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from hf_mot import TranslatedCache
+
+    model, cache, path = _saved_cache(tmp_path)
+    loaded = TranslatedCache.load(path, model.config, device="cpu")
+    for a, b in zip(loaded.layers, cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and a.get_seq_length() == b.get_seq_length()
+    whole = path.read_bytes()
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    broken = tmp_path / "broken.safetensors"
+    cases = {
+        "truncated": None,
+        "shape": {**tensors, "layers.1.keys": tensors["layers.1.keys"][..., :4].contiguous()},
+        "missing": {k: v for k, v in tensors.items() if k != "layers.0.values"},
+        "nan": {**tensors, "layers.2.values": tensors["layers.2.values"] * float("nan")},
+    }
+    messages = {"truncated": "truncated or corrupted", "shape": "layer 1 holds keys", "missing": "lacks the keys",
+                "nan": "layer 2 contains NaN"}
+    for case, content in cases.items():
+        if content is None:
+            broken.write_bytes(whole[: len(whole) // 2])
+        else:
+            save_file(content, broken, metadata=metadata)
+        with pytest.raises(ValueError, match=messages[case]):
+            TranslatedCache.load(broken, model.config)
+
+
+def test_first_token_states_follow_a_dtype_change():
+    """The target's own first-token states are cached per model; moving the model to another dtype in place
+    keeps its parameters' ids and versions, and must not keep states computed in the old dtype."""
+    from hf_mot.pipeline import _first_token_states
+
+    model = tiny_model("llama")
+    before = _first_token_states(model, [5]).keys
+    model.to(torch.bfloat16)
+    after = _first_token_states(model, [5]).keys
+    fresh = _first_token_states(tiny_model("llama").to(torch.bfloat16), [5]).keys
+    assert torch.equal(after, fresh) and not torch.equal(before, after)
+
+
+def test_plots_are_optional(tmp_path, monkeypatch):
+    """Without matplotlib (an extra), training checkpoints and evaluation reports are still written, with a
+    warning that names the extra, instead of a crash after the work is done."""
+    import sys
+
+    from hf_mot.evaluation.report import plot_report
+    from hf_mot.training.trainer import write_loss_curve
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    with pytest.warns(UserWarning, match=r"hf-mot\[bench\]"):
+        assert write_loss_curve([{"loss": 1.0, "step": 1}], str(tmp_path)) is None
+    with pytest.warns(UserWarning, match=r"hf-mot\[bench\]"):
+        assert plot_report({"results": {"long_context": {}}}, tmp_path / "x.png") is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_shows_a_traceback_for_a_type_error(monkeypatch):
+    """Past argparse, a TypeError is a bug: `hf-mot` lets it through with its traceback, not as one line."""
+    from hf_mot import cli
+
+    def broken(args):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(cli, "_generate", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        cli.main(["generate", "--context", "x"])
+    monkeypatch.setattr(cli, "_generate", lambda args: (_ for _ in ()).throw(ValueError("bad input")))
+    assert cli.main(["generate", "--context", "x"]) == 1

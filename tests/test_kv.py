@@ -13,11 +13,12 @@ def _round_trip_error(model, tokenizer, contexts):
     cache = prefill_source(model, encoded)
     source = read_source_cache(cache, model, encoded.attention_mask, encoded.position_ids)
     worst = 0.0
-    for layer_idx, keys in enumerate(source.keys):
+    for layer_idx in range(len(cache.layers)):
+        keys, values = source.layer(layer_idx)
         redone = finish_target_keys(model, layer_idx, keys, encoded.position_ids)
         real = encoded.attention_mask.bool()[:, None, :, None].expand_as(redone)
         worst = max(worst, (redone - cache.layers[layer_idx].keys)[real].abs().max().item())
-        assert torch.equal(source.values[layer_idx], cache.layers[layer_idx].values)
+        assert torch.equal(values, cache.layers[layer_idx].values)
     return worst
 
 
@@ -47,7 +48,7 @@ def test_rope_keys_become_position_free():
     model, tokenizer = tiny_model("llama"), char_tokenizer()
     encoded = encode_contexts(tokenizer, ["aaaa"])
     cache = prefill_source(model, encoded)
-    keys = read_source_cache(cache, model, encoded.attention_mask).keys[0]
+    keys = read_source_cache(cache, model, encoded.attention_mask).layer(0)[0]
     assert torch.allclose(keys[:, :, 1], keys[:, :, 4], atol=1e-5)
     assert not torch.allclose(cache.layers[0].keys[:, :, 1], cache.layers[0].keys[:, :, 4], atol=1e-3)
 
@@ -64,4 +65,4 @@ def test_sliding_window_source_cache_keeps_every_token():
     model, tokenizer = tiny_model("gemma3"), char_tokenizer()
     encoded = encode_contexts(tokenizer, [CONTEXTS[0]])
     source = read_source_cache(prefill_source(model, encoded), model, encoded.attention_mask)
-    assert all(k.shape[-2] == encoded.input_ids.shape[1] for k in source.keys)
+    assert source.keys.shape[:3] == (1, encoded.input_ids.shape[1], len(model.model.layers))

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..modeling_mot import write_json_atomically, write_text_atomically
+from ..plotting import pyplot
 from .fidelity import evaluate_fidelity, heldout_examples, summarize
 from .qa import evaluate_qa, summarize_qa
 from .reuse import WAYS, multi_agent_reuse, summarize_reuse
@@ -188,12 +189,9 @@ def markdown_report(report: dict) -> str:
 
 def plot_report(report: dict, path: Path) -> Path | None:
     """Retention and time-to-context against context length (long-context task)."""
-    if "long_context" not in report["results"]:
+    plt = pyplot() if "long_context" in report["results"] else None
+    if plt is None:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     by_length = report["results"]["long_context"]["summary"]["by_length"]
     lengths = [int(n) for n in by_length]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
+from ..plotting import pyplot
 from .losses import LossWeights, context_correction_loss
 
 
@@ -89,11 +90,10 @@ class LossCurveCallback(TrainerCallback):
 
 
 def write_loss_curve(log_history: list[dict], output_dir: str) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """`loss_curve.png` in `output_dir`, or `None` when there is nothing to plot or no matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
     rows = [row for row in log_history if "loss" in row and "step" in row]
     if not rows:
         return None
