@@ -119,7 +119,8 @@ def _generate(args: argparse.Namespace) -> None:
     def answer(context_cache, mask):
         out = target.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=args.max_new_tokens,
                               do_sample=False, **{cache_kwarg(target): context_cache})
-        return target_tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+        # On one line: the two answers are read side by side.
+        return " ".join(target_tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True).split())
 
     print(f"answer: {answer(cache, cache.generation_mask(prompt.shape[1]))}")
     own_mask = torch.ones(1, target_ids.shape[1] + prompt.shape[1], dtype=torch.long)
