@@ -503,15 +503,26 @@ def write_json_atomically(path: str | os.PathLike, report: dict) -> None:
     write_text_atomically(os.fspath(path), json.dumps(report, indent=2, default=float))
 
 
-def _upload_folder(folder: str, repo_id: str, *, token=None, private=None, revision=None, commit_message=None):
-    from huggingface_hub import HfApi
+# What `push_to_hub` takes besides the repo id, and what `save_pretrained(push_to_hub=True, ...)` hands on to it.
+PUSH_OPTIONS = ("commit_message", "commit_description", "private", "token", "revision", "create_pr", "tags")
 
+
+def _upload_folder(folder: str, repo_id: str, *, token=None, private=None, revision=None, commit_message=None,
+                   commit_description=None, create_pr=False, tags=None):
+    from huggingface_hub import HfApi, ModelCard
+
+    card_path = os.path.join(folder, "README.md")
+    if tags and os.path.exists(card_path):
+        card = ModelCard.load(card_path)
+        card.data.tags = sorted(set(card.data.tags or []) | set(tags))
+        write_text_atomically(card_path, str(card))
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     return api.upload_folder(
-        repo_id=repo_id, folder_path=folder, revision=revision, commit_message=commit_message or "Upload translator"
+        repo_id=repo_id, folder_path=folder, revision=revision, commit_message=commit_message or "Upload translator",
+        commit_description=commit_description, create_pr=create_pr,
     )
 
 
@@ -631,6 +642,9 @@ class MoTTranslator(PreTrainedModel):
         translator was loaded with, else one rendered from the config by `hf_mot.model_card`.
         """
         repo_id = kwargs.pop("repo_id", None)
+        push = {name: kwargs.pop(name) for name in PUSH_OPTIONS if name in kwargs and name != "token"}
+        if push and not push_to_hub:
+            raise TypeError(f"{sorted(push)} only mean something with `push_to_hub=True`.")
         token = kwargs.get("token")
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
@@ -641,7 +655,7 @@ class MoTTranslator(PreTrainedModel):
                 write_text_atomically(os.path.join(save_directory, "README.md"), str(card))
         if push_to_hub:
             return _upload_folder(save_directory, repo_id or os.path.basename(os.path.normpath(save_directory)),
-                                  token=token)
+                                  token=token, **push)
 
     def push_to_hub(
         self,
@@ -652,10 +666,15 @@ class MoTTranslator(PreTrainedModel):
         token: str | None = None,
         revision: str | None = None,
         model_card=None,
+        commit_description: str | None = None,
+        create_pr: bool = False,
+        tags: list[str] | None = None,
         **kwargs,
     ):
         """Upload `config.json`, `model.safetensors`, the modeling files (for `trust_remote_code=True`) and the
-        model card to `repo_id` (created if needed). `revision` names a branch, created from `main` if needed.
+        model card to `repo_id` (created if needed, private if `private`). `revision` names a branch, created from
+        `main` if needed; `create_pr` opens a pull request instead of committing to it; `tags` are added to the
+        model card's metadata.
 
         Returns the `huggingface_hub.CommitInfo` of the upload.
         """
@@ -664,7 +683,8 @@ class MoTTranslator(PreTrainedModel):
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, model_card=model_card, repo_id=repo_id)
             return _upload_folder(folder, repo_id, token=token, private=private, revision=revision,
-                                  commit_message=commit_message or "Upload MoT translator")
+                                  commit_message=commit_message or "Upload MoT translator",
+                                  commit_description=commit_description, create_pr=create_pr, tags=tags)
 
     def widened(
         self, hidden_size: int | None = None, expert_hidden_size: int | None = None, seed: int | None = None

@@ -61,6 +61,25 @@ def test_save_pretrained_can_push(hub, tmp_path):
     assert files["README.md"].decode() == (tmp_path / "local" / "README.md").read_text()
 
 
+def test_push_options_reach_the_hub(hub, tmp_path):
+    """`private`, `commit_message`, `revision` and `tags` are honoured by `push_to_hub` and by
+    `save_pretrained(push_to_hub=True, ...)`, not dropped."""
+    translator = _translator()
+    translator.save_pretrained(tmp_path / "local", push_to_hub=True, repo_id="hf-mot-test/private-save",
+                               private=True, commit_message="first weights", revision="exp", tags=["kv-cache"])
+    repo = hub.state.repos[("model", "hf-mot-test/private-save")]
+    assert repo.private and "exp" in repo.branches
+    commit = repo.resolve("exp")
+    assert commit.message == "first weights" and "- kv-cache" in commit.files["README.md"].decode()
+    translator.push_to_hub("hf-mot-test/private-push", private=True, commit_message="via push",
+                           commit_description="why", tags=["a", "b"])
+    pushed = hub.state.repos[("model", "hf-mot-test/private-push")]
+    assert pushed.private and pushed.resolve("main").message == "via push"
+    assert "- a\n" in pushed.resolve("main").files["README.md"].decode()
+    with pytest.raises(TypeError, match="push_to_hub=True"):
+        translator.save_pretrained(tmp_path / "again", private=True)
+
+
 def test_card_written_by_save_pretrained(tmp_path):
     translator = _translator()
     translator.save_pretrained(tmp_path / "out")
