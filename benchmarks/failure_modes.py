@@ -104,7 +104,7 @@ def main() -> None:
     print(table)
     report = {
         "benchmark": "failure_modes", "command": "python benchmarks/failure_modes.py " + " ".join(sys.argv[1:]),
-        # Each context's first token comes from the target itself (`pipeline.native_first_token`) since hf_mot
+        # Each context's first token comes from the target itself (`pipeline.first_token_states`) since hf_mot
         # 0.2; tables without this field were measured before, with it translated.
         "first_token": "target",
         "machine": machine_info(),

@@ -155,7 +155,7 @@ def main() -> None:
     report = {
         "benchmark": "lm_fidelity",
         "command": "python benchmarks/lm_fidelity.py " + " ".join(sys.argv[1:]),
-        # Each context's first token comes from the target itself (`pipeline.native_first_token`) since hf_mot
+        # Each context's first token comes from the target itself (`pipeline.first_token_states`) since hf_mot
         # 0.2; tables without this field were measured before, with it translated.
         "first_token": "target",
         "machine": machine_info(),

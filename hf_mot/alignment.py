@@ -149,18 +149,6 @@ def span_overlaps(
     return index, weight.astype(np.float64)
 
 
-def align_spans(
-    source_spans: list[Span],
-    target_spans: list[Span],
-    source_special: list[bool],
-    target_special: list[bool],
-) -> list[list[tuple[int, float]]]:
-    """[`span_overlaps`] as lists: for each target token, its `(source_index, weight)` pairs in source order."""
-    index, weight = span_overlaps(source_spans, target_spans, source_special, target_special)
-    return [[(int(i), float(w)) for i, w in zip(r, v, strict=True) if w > 0] for r, v in zip(index, weight,
-                                                                                            strict=True)]
-
-
 def build_alignment(
     source_rows: list[tuple[np.ndarray, np.ndarray]] | None,
     num_source_tokens: list[int],

@@ -10,6 +10,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .kv import KVLayout
+
 
 class TranslatedCache(DynamicCache):
     r"""
@@ -192,15 +194,13 @@ class TranslatedCache(DynamicCache):
                 f"{path} holds {len(seen)} layers but the target config has {len(cache.layers)}: load it with the "
                 f"config of the target it was translated for ({target})."
             )
-        text = config.get_text_config(decoder=True)
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        layout = KVLayout.from_config(config)
         for index, layer in enumerate(cache.layers):
             keys, values = tensors.get(f"layers.{index}.keys"), tensors.get(f"layers.{index}.values")
             if keys is None or values is None:
                 raise ValueError(f"{path} lacks the keys or values of layer {index}: write it again with `save`.")
             kept = min(seen[index], getattr(layer, "sliding_window", seen[index] + 1) - 1)
-            expected = (mask.shape[0], heads, kept, head_dim)
+            expected = (mask.shape[0], layout.num_kv_heads, kept, layout.head_dim)
             if tuple(keys.shape) != expected or tuple(values.shape) != expected:
                 raise ValueError(
                     f"{path} layer {index} holds keys {tuple(keys.shape)} and values {tuple(values.shape)}, but this "
@@ -209,7 +209,5 @@ class TranslatedCache(DynamicCache):
                 )
             if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
                 raise ValueError(f"{path} layer {index} contains NaN or Inf: the cache it was saved from was broken.")
-            DynamicCache.update(cache, keys, values, index)
-            if hasattr(layer, "cumulative_length"):
-                layer.cumulative_length = seen[index]
+            cache.place(index, keys, values, seen[index])
         return cache

@@ -14,6 +14,7 @@ norm's scale, then its RoPE at the target positions.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -158,7 +159,18 @@ def key_norm_scales(model: PreTrainedModel, layers: list[int]) -> torch.Tensor |
     scales = entry[1]
     if list(layers) == list(range(count)):
         return scales
-    return scales.index_select(0, torch.tensor(layers, device=scales.device))
+    return scales.index_select(0, layer_index(layers, scales.device))
+
+
+@functools.cache
+def _index_tensor(indices: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(indices, dtype=torch.long, device=device)
+
+
+def layer_index(indices: list[int], device: torch.device) -> torch.Tensor:
+    """`indices` as an index tensor on `device`, made once: building one from a list costs a few operators (and
+    a host-to-device copy on a GPU) every time."""
+    return _index_tensor(tuple(indices), str(device))
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -174,41 +186,26 @@ def _unscale(keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (keys / torch.where(off, torch.ones_like(scale), scale)).masked_fill_(off, 0.0)
 
 
-def _rotary(model: PreTrainedModel):
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    return getattr(decoder, "rotary_emb", None)
-
-
-def rotary_cos_sin(
-    model: PreTrainedModel, layer_idx: int, position_ids: torch.Tensor, like: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The model's own RoPE tables for `layer_idx` at `position_ids`, shaped `(batch, tokens, rotary_dim)`.
-
-    Uses the model's rotary module, so RoPE scaling variants and Gemma 3's per-layer-type bases come for free.
-    Returns `None` for models without RoPE (GPT-2, OPT).
-    """
-    tables = layers_cos_sin(model, [layer_idx], position_ids, like)
-    return None if tables is None else (tables[0][0], tables[1][0])
-
-
 def layers_cos_sin(
     model: PreTrainedModel, layers: list[int], position_ids: torch.Tensor, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """RoPE tables of several layers at once, `(len(layers), batch, tokens, rotary_dim)` each; the rotary
-    module runs once per distinct layer type among them (Gemma 3 has two), not once per layer."""
-    rotary = _rotary(model)
+    """The model's own RoPE tables for `layers` at `position_ids`, `(len(layers), batch, tokens, rotary_dim)` each,
+    or `None` for models without RoPE. The model's rotary module makes them, so RoPE scaling variants and Gemma 3's
+    per-layer-type bases come for free; it runs once per distinct layer type among `layers`, not once per layer."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    rotary = getattr(decoder, "rotary_emb", None)
     if rotary is None:
-        return None
-    if "layer_type" not in inspect.signature(rotary.forward).parameters:
-        cos, sin = rotary(like, position_ids)
-        return cos.unsqueeze(0).expand(len(layers), *cos.shape), sin.unsqueeze(0).expand(len(layers), *sin.shape)
-    layer_types = model.config.get_text_config(decoder=True).layer_types
-    kinds = sorted({layer_types[i] for i in layers})
-    tables = [rotary(like, position_ids, kind) for kind in kinds]
-    if len(kinds) == 1:
+        return None  # no RoPE (GPT-2, OPT)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        layer_types = model.config.get_text_config(decoder=True).layer_types
+        kinds = sorted({layer_types[i] for i in layers})
+        tables = [rotary(like, position_ids, kind) for kind in kinds]
+    else:
+        tables = [rotary(like, position_ids)]
+    if len(tables) == 1:
         cos, sin = tables[0]
         return cos.unsqueeze(0).expand(len(layers), *cos.shape), sin.unsqueeze(0).expand(len(layers), *sin.shape)
-    which = torch.tensor([kinds.index(layer_types[i]) for i in layers], device=position_ids.device)
+    which = layer_index([kinds.index(layer_types[i]) for i in layers], position_ids.device)
     cos = torch.stack([c for c, _ in tables]).index_select(0, which)
     sin = torch.stack([s for _, s in tables]).index_select(0, which)
     return cos, sin

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import importlib
 import json
 import os
@@ -20,7 +19,7 @@ from transformers.utils import ModelOutput
 
 from .alignment import TokenAlignment
 from .configuration_mot import MoTConfig
-from .kv import KVLayout, cast, tokenizer_fingerprint
+from .kv import KVLayout, cast, layer_index, tokenizer_fingerprint
 
 # The translator `hf-mot generate` uses when a (source, target) pair is given without `--translator`: each one ships
 # inside the package.
@@ -67,17 +66,6 @@ class TargetTokenReader(nn.Module):
         return F.linear(normed, self.proj_weight, self.proj_bias)
 
 
-@functools.cache
-def _layer_index(indices: tuple[int, ...], device: str) -> torch.Tensor:
-    return torch.tensor(indices, dtype=torch.long, device=device)
-
-
-def layer_index(indices: list[int], device: torch.device) -> torch.Tensor:
-    """`indices` as an index tensor on `device`, made once: building one from a list costs a few operators (and
-    a host-to-device copy on a GPU) every time."""
-    return _layer_index(tuple(indices), str(device))
-
-
 def depth_matched_source_layers(source_layers: int, target_layer: int, target_layers: int, count: int) -> list[int]:
     """The `count` consecutive source layers around the relative depth of `target_layer`."""
     centre = round(target_layer * (source_layers - 1) / max(target_layers - 1, 1))
@@ -119,7 +107,7 @@ class DepthMatchedPath(nn.Module):
         aligned, and only onto the target tokens asked for."""
         wanted = [self.source_layers[i] for i in indices]
         batch, tokens, layers, features = source.shape
-        used = sorted({layer for layers in wanted for layer in layers})
+        used = sorted({layer for reads in wanted for layer in reads})
         rows = alignment.num_target_tokens if last_tokens is None else min(last_tokens, alignment.num_target_tokens)
         # Picking the layers out first copies the whole source; it pays only when most target tokens are aligned.
         if (tokens + rows) * len(used) < rows * layers:
@@ -127,7 +115,7 @@ class DepthMatchedPath(nn.Module):
         else:
             used = list(range(layers))
         aligned = alignment.apply(source.reshape(batch, tokens, -1), last_tokens)
-        where = layer_index([used.index(layer) for layers in wanted for layer in layers], source.device)
+        where = layer_index([used.index(layer) for reads in wanted for layer in reads], source.device)
         aligned = aligned.view(*aligned.shape[:2], len(used), features).index_select(2, where)
         return aligned.view(*aligned.shape[:2], len(indices), -1)
 
@@ -326,11 +314,10 @@ class KVMixture(nn.Module):
         logits = self.router(normed)
         gate_logits, chosen = logits.topk(self.top_k, dim=-1)
         gates = gate_logits.softmax(dim=-1)
-        # Every expert runs on every token and the gates of the experts not chosen are 0: with a few experts that
-        # costs less than gathering each expert's tokens (a launch per expert, and a wait for the GPU to say how
-        # many tokens each got), and the result is the same.
-        # All experts side by side are one MLP of `num_experts * expert_hidden_size` units whose units are scaled by
-        # their expert's gate before the output projection: two matrix products for all tokens and experts.
+        # Every expert runs on every token, the experts not chosen with gate 0: all experts side by side are one MLP
+        # of `num_experts * expert_hidden_size` units, scaled by their expert's gate before the output product. With
+        # a few experts two matrix products cost less than gathering each expert's tokens (a launch per expert, and
+        # a wait for the GPU to say how many tokens each got), and the result is the same.
         dense_gates = cast(torch.zeros_like(logits).scatter(1, chosen, cast(gates, logits.dtype)), normed.dtype)
         experts, width = self.expert_in.shape[0], self.expert_in.shape[2]
         weight_in = self.expert_in.permute(1, 0, 2).reshape(normed.shape[-1], experts * width)
@@ -551,12 +538,6 @@ class MoTOutput(ModelOutput):
         """Every produced target layer, in order."""
         return sorted(layer for layers in self.block_layers for layer in layers)
 
-    def layer_states(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Keys and values per target layer, each `(batch, target_kv_heads, tokens, target_head_dim)` (views)."""
-        states = {}
-        for layers, keys, values in zip(self.block_layers, self.key_blocks, self.value_blocks, strict=True):
-            states.update(zip(layers, zip(keys.unbind(0), values.unbind(0), strict=True), strict=True))
-        return dict(sorted(states.items()))
 
 
 class MoTTranslator(PreTrainedModel):

@@ -17,11 +17,12 @@ from .kv import (
     SourceKV,
     cast,
     finish_target_keys,
+    layer_index,
     positions_from_mask,
     read_source_cache,
     tokenizer_fingerprint,
 )
-from .modeling_mot import MoTOutput, MoTTranslator, layer_index
+from .modeling_mot import MoTOutput, MoTTranslator
 
 
 @dataclass
@@ -128,7 +129,7 @@ def run_translator(
     last_tokens: list[int | None] | None = None,
 ) -> MoTOutput:
     """Call `translator` on position-free source KV (with the target's token embeddings if it reads them); the
-    first context token of each row gets the target's own states (see `native_first_token`).
+    first context token of each row gets the target's own states (see `first_token_states`).
 
     `translator` may be wrapped (DDP in training): its config is read from `.module` then. `last_tokens` (per
     produced layer) limits a layer to its last that many tokens (see `MoTTranslator.forward`).
@@ -177,10 +178,11 @@ def _first_token_states(target_model: PreTrainedModel, tokens: list[int]) -> Sou
                     attention_mask=torch.ones(len(tokens), 1, dtype=torch.long))
 
 
-def native_first_token(
-    translated: MoTOutput, target_model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> MoTOutput:
-    """Replace the translation of each row's first context token by the target's own keys and values.
+def first_token_states(
+    target_model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[SourceKV, torch.Tensor]:
+    """The target's own states of each row's first context token, and where that token is: a `(1, batch, 1,
+    tokens, 1)` mask that broadcasts over a block of translator output; `place_first_token` puts them in.
 
     Under causal attention the first token sees only itself, at position 0: its states are the same whatever
     follows, so the target computes them exactly by reading that one token. It is usually BOS, which most heads
@@ -188,14 +190,6 @@ def native_first_token(
     token to be translated from. On 200 held-out pairs (64-512 tokens) this alone, with no retraining, lifted a
     translator trained without it from 77.4% to 81.2% of the NLL gap closed in full mode.
     """
-    return place_first_token(translated, *first_token_states(target_model, input_ids, attention_mask))
-
-
-def first_token_states(
-    target_model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> tuple[SourceKV, torch.Tensor]:
-    """The target's own states of each row's first context token, and where that token is: a `(1, batch, 1,
-    tokens, 1)` mask that broadcasts over a block of translator output (see `native_first_token`)."""
     real = attention_mask.bool()
     first = real.long().argmax(dim=1)  # left padding: the first real column of each row
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)

@@ -8,9 +8,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from hf_mot.alignment import align_spans, build_alignment
+from hf_mot.alignment import build_alignment, span_overlaps
 from hf_mot.models import convert_embedded_model
 from hf_mot.pipeline import align_contexts, encode_contexts
+
+
+def align_spans(*spans_and_specials):
+    """`span_overlaps` as lists: for each target token, its `(source_index, weight)` pairs in source order."""
+    index, weight = span_overlaps(*spans_and_specials)
+    return [[(int(i), float(w)) for i, w in zip(r, v, strict=True) if w > 0] for r, v in zip(index, weight,
+                                                                                            strict=True)]
 
 
 @pytest.fixture(scope="module")

@@ -24,16 +24,12 @@ def machine_info(threads: int | None = None) -> dict:
     Linux systems), the cores and torch threads, and the library versions that change timings."""
     import transformers
 
-    cpu = platform.processor() or platform.machine()
+    cpu, features = platform.processor() or platform.machine(), []
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    features = []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            lines = f.read().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
         # The ones that decide whether bfloat16 matmuls are native or emulated (and several times slower).
         features = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
     except OSError:
