@@ -1,9 +1,10 @@
-"""Regenerate the README's Results section from the benchmark outputs in `benchmarks/results/`.
+"""Regenerate docs/RESULTS.md from the benchmark outputs in `benchmarks/results/`.
 
     python scripts/update_results.py          # rewrite the section from the existing results
     python scripts/update_results.py --run    # run the benchmarks first (about 50 minutes on 2 CPU cores)
 
-The section sits between the `<!-- results:start -->` and `<!-- results:end -->` markers of README.md.
+The generated part sits between the `<!-- results:start -->` and `<!-- results:end -->` markers of
+docs/RESULTS.md; the README keeps a short summary that links there.
 """
 
 from __future__ import annotations
@@ -195,17 +196,18 @@ def main() -> None:
         for command in RUNS:
             print("+", " ".join(command), flush=True)
             subprocess.run(command, cwd=ROOT, check=True)
-    readme = (ROOT / "README.md").read_text()
-    if START not in readme or END not in readme:
-        raise ValueError(f"README.md lacks the {START} / {END} markers around its Results section.")
-    head, rest = readme.split(START, 1)
+    page = ROOT / "docs" / "RESULTS.md"
+    text = page.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{page} lacks the {START} / {END} markers around its generated part.")
+    head, rest = text.split(START, 1)
     tail = rest.split(END, 1)[1]
-    text = f"{head}{START}\n{section()}\n{END}{tail}"
-    with tempfile.NamedTemporaryFile("w", dir=ROOT, delete=False, suffix=".tmp") as f:
-        f.write(text)
-    os.replace(f.name, ROOT / "README.md")
-    print("README.md results section rewritten")
-
+    # The page sits one folder down from the repository root that the figures' paths start at.
+    generated = section().replace("](benchmarks/", "](../benchmarks/").replace("\n### ", "\n## ")
+    with tempfile.NamedTemporaryFile("w", dir=page.parent, delete=False, suffix=".tmp") as f:
+        f.write(f"{head}{START}\n{generated}\n{END}{tail}")
+    os.replace(f.name, page)
+    print(f"{page.relative_to(ROOT)} rewritten")
 
 if __name__ == "__main__":
     main()
