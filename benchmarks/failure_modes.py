@@ -1,11 +1,11 @@
 """The MoT method's two failure modes, measured on held-out text for one or more translators side by side.
 
-- Propagated translation shift: in `window` mode, translated layers `[start, start + count)` are injected and
-  the target computes every layer above them on top. For each start layer this reports the relative KV error
-  of every target layer from the injection point up (against the target's native cache of the same context),
-  and the share of the continuation-NLL gap closed (quality against start layer).
+- Propagated translation shift: translated layers `[start, start + count)` are injected into the target's own
+  pass over the context, which computes every layer above them on top (`hf_mot.evaluation.injection`). For each
+  start layer this reports the relative KV error of every target layer from the injection point up (against the
+  target's native cache of the same context), and the share of the continuation-NLL gap closed.
 - Last-state shift: the KL between the native and translated next-token distributions at each position after
-  the context, in `full` mode (position 1 is the first prediction after the context).
+  the context, every layer translated (position 1 is the first prediction after the context).
 
 Compare a translator trained with the Context Correction Loss against one trained without it.
 
@@ -23,10 +23,13 @@ from pathlib import Path
 import torch
 
 from hf_mot import MoTTranslator, load_model
+from hf_mot.alignment import align_contexts, encode_contexts
 from hf_mot.evaluation.fidelity import evaluate_fidelity, heldout_examples, summarize
-from hf_mot.evaluation.report import machine_info, write_json_atomically
+from hf_mot.evaluation.injection import window_injected_cache
+from hf_mot.evaluation.report import machine_info
+from hf_mot.files import write_json_atomically
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
-from hf_mot.pipeline import align_contexts, encode_contexts, fill_translated_cache, prefill_source, run_translator
+from hf_mot.pipeline import fill_translated_cache, prefill_source, run_translator
 from hf_mot.training.losses import native_context_kv
 
 
@@ -40,9 +43,11 @@ def layer_errors(translator, source, source_tok, target, target_tok, contexts, s
         cache = prefill_source(source, s)
         source_kv = read_source_cache(cache, source, s.attention_mask, s.position_ids)
         alignment = align_contexts(s, t, same_tokenizer=same)
-        out = run_translator(translator, source_kv, alignment, target, t.input_ids, t.attention_mask)
-        layers = list(range(start, start + count)) if mode == "window" else None
-        _, context_kv = fill_translated_cache(out, target, t, mode, layers)
+        if mode == "window":
+            _, context_kv = window_injected_cache(translator, source_kv, alignment, target, t, (start, count))
+        else:
+            out = run_translator(translator, source_kv, alignment, target, t.input_ids, t.attention_mask)
+            _, context_kv = fill_translated_cache(out, target, t)
         batch = {"target_input_ids": t.input_ids, "target_attention_mask": t.attention_mask}
         _, native = native_context_kv(target, batch)
         for layer, (keys, values) in context_kv.items():
@@ -74,10 +79,8 @@ def main() -> None:
     for spec in args.translator:
         name, _, path = spec.partition("=")
         translator = MoTTranslator.from_pretrained(path).eval()
-        conditions = {"full": {"injection_mode": "full"}}
-        conditions.update({
-            f"window@{s}": {"injection_mode": "window", "injection_window": (s, args.count)} for s in args.starts
-        })
+        conditions = {"full": {}}
+        conditions.update({f"window@{s}": {"window": (s, args.count)} for s in args.starts})
         rows = evaluate_fidelity(examples, translator=translator, source_model=source, source_tokenizer=source_tok,
                                  target_model=target, target_tokenizer=target_tok, conditions=conditions)
         summary = summarize(rows, list(conditions))

@@ -25,7 +25,8 @@ from transformers import DynamicCache
 from hf_mot import MoTTranslator, load_model, translate_context
 from hf_mot._compat import cache_kwarg
 from hf_mot.evaluation.fidelity import HELDOUT_PARTS, _against_native, _continuation_logits, heldout_examples
-from hf_mot.evaluation.report import machine_info, write_json_atomically
+from hf_mot.evaluation.report import machine_info
+from hf_mot.files import write_json_atomically
 
 
 def swaps(layer_types: list[str]) -> dict[str, tuple[list[int], bool, bool]]:
@@ -55,9 +56,6 @@ def main() -> None:
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
     translator = MoTTranslator.from_pretrained(args.translator).eval()
-    if translator.config.injection_mode != "full":
-        parser.error(f"{args.translator} is a {translator.config.injection_mode!r}-mode translator; this "
-                     "benchmark swaps layers of a full-mode cache.")
     examples = heldout_examples(target_tok, tuple(args.lengths), args.per_length, part=args.part)
     every_layer = ["full_attention"] * target.config.num_hidden_layers
     layer_types = list(getattr(target.config, "layer_types", None) or every_layer)

@@ -1,6 +1,6 @@
 """Language-modelling fidelity of translators on held-out text, side by side in one run.
 
-For each translator and injection mode: continuation NLL with no context, with the native context and with
+For each translator and condition: continuation NLL with no context, with the native context and with
 the translated cache; the share of the no-context-to-native gap that translation closes; top-1 agreement
 with the native next-token predictions; KL to them. Contexts of several lengths (target tokens) are cut from
 the validation documents of `hf_mot.training.data` (split by document; never trained on).
@@ -28,7 +28,8 @@ import torch
 
 from hf_mot import MoTConfig, MoTTranslator, load_model
 from hf_mot.evaluation.fidelity import HELDOUT_PARTS, evaluate_fidelity, heldout_examples, summarize
-from hf_mot.evaluation.report import machine_info, write_json_atomically
+from hf_mot.evaluation.report import machine_info
+from hf_mot.files import write_json_atomically
 
 # The test pairs every reported figure (README, benchmarks/results, the model card) comes from.
 REPORTED_LENGTHS, REPORTED_PER_LENGTH = (64, 128, 256, 512), 50
@@ -46,8 +47,8 @@ def main() -> None:
     parser.add_argument("--per-length", type=int, default=60)
     parser.add_argument("--continuation-tokens", type=int, default=32)
     parser.add_argument("--window", type=int, nargs=2, default=[0, 6], metavar=("START", "COUNT"),
-                        help="target layers injected in window mode")
-    parser.add_argument("--no-window", action="store_true", help="evaluate full mode only")
+                        help="target layers injected into the target's own pass (the window-injection diagnostic)")
+    parser.add_argument("--no-window", action="store_true", help="leave out the window-injection diagnostic")
     parser.add_argument("--full-only", nargs="+", default=[], metavar="NAME",
                         help="translators to run in full mode only")
     parser.add_argument("--native-tail", type=int, default=0, metavar="K",
@@ -74,11 +75,12 @@ def main() -> None:
             sys.exit(f"The selection pairs would read {len(shared)} of the documents the reported figures come from "
                      f"({REPORTED_PER_LENGTH} test pairs at each of {REPORTED_LENGTHS} tokens); lower --per-length "
                      "or leave out the longest --lengths.")
-    modes = {"full": {"injection_mode": "full"}}
+    # `full`: every layer translated. `window`: the window-injection diagnostic (`hf_mot.evaluation.injection`).
+    modes = {"full": {}}
     if not args.no_window:
-        modes["window"] = {"injection_mode": "window", "injection_window": tuple(args.window)}
+        modes["window"] = {"window": tuple(args.window)}
     if args.native_tail:
-        modes[f"full+tail{args.native_tail}"] = {"injection_mode": "full", "native_tail": args.native_tail}
+        modes[f"full+tail{args.native_tail}"] = {"native_tail": args.native_tail}
 
     # One pass over the examples: the native and no-context scores are shared by every translator.
     conditions, paths = {}, {}

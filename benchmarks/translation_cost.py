@@ -3,12 +3,10 @@
 For each batch size and context length (in target tokens) this times, with the source cache already there (the
 shared-document and multi-agent case that translation is for):
 
-- `translate`: align the two tokenizations, read the source cache, translate every target layer (full mode) and
+- `translate`: align the two tokenizations, read the source cache, translate every target layer and
   fill the TranslatedCache;
 - native prefill: the target reads the contexts itself (the baseline translation replaces);
-- and, for reference, the source prefill that produced the cache;
-- with `--window`, also window mode (a translated window injected into the target's own replay of the context,
-  which contains a full prefill).
+- and, for reference, the source prefill that produced the cache.
 
 Each is run once to warm up, then `--trials` times; the table shows medians, the JSON also a 95% bootstrap interval
 of each median and every trial. A batch holds `batch` copies of the same context, so the work per row is the same
@@ -49,20 +47,18 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from hf_mot import MoTConfig, MoTTranslator, load_model
+from hf_mot import MoTTranslator, load_model
+from hf_mot.alignment import align_contexts, encode_contexts
 from hf_mot.data import long_text
 from hf_mot.evaluation.cost import PeakRSS
-from hf_mot.evaluation.report import machine_info, write_json_atomically
+from hf_mot.evaluation.report import machine_info
+from hf_mot.files import write_json_atomically
 from hf_mot.kv import read_source_cache, tokenizer_fingerprint
 from hf_mot.models import EMBEDDED_MODELS, convert_embedded_model
-from hf_mot.pipeline import align_contexts, build_translated_cache, encode_contexts, prefill_source, read_into_cache
+from hf_mot.pipeline import build_translated_cache, prefill_source, read_into_cache
 
-# The config fields that decide a translator's size and work (the cost does not depend on its weights).
-SHAPE_FIELDS = ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "architecture",
-                "target_embedding_size", "depth_matched_layers", "local_context_tokens")
 LABELS = {
     "translate": "translate",
-    "translate_window": "window",
     "native_target_prefill": "target prefill",
     "source_prefill": "source prefill",
 }
@@ -149,9 +145,6 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1],
                         help="contexts translated (and prefilled) in one call")
     parser.add_argument("--trials", type=int, default=5, help="timed repetitions per measurement (median reported)")
-    parser.add_argument("--window", action="store_true", help="also time window mode (it contains a full prefill)")
-    parser.add_argument("--window-start", type=int, default=4, help="first injected target layer in window mode")
-    parser.add_argument("--window-layers", type=int, default=4, help="injected target layers in window mode")
     parser.add_argument("--compile", action="store_true",
                         help="compile the translator with torch.compile(mode='reduce-overhead') before timing")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
@@ -178,14 +171,6 @@ def main() -> None:
     if args.compile:
         translator.compile(mode="reduce-overhead")
     translators = {"translate": translator}
-    if args.window:
-        # Window mode uses a translator of the same shape that produces only the injected layers.
-        shape = {name: getattr(translator.config, name) for name in SHAPE_FIELDS}
-        window_config = MoTConfig(
-            source=translator.config.source, target=translator.config.target, injection_mode="window",
-            injection_start=args.window_start, injection_layers=args.window_layers, **shape,
-        )
-        translators["translate_window"] = MoTTranslator(window_config).to(device=device, dtype=dtype).eval()
     steps = [*translators, "native_target_prefill", "source_prefill"]
     same = tokenizer_fingerprint(source_tok) == tokenizer_fingerprint(target_tok)
     count = device.type == "cpu" and not memory and not args.no_count_operators

@@ -1,4 +1,4 @@
-"""Cross-tokenizer token alignment from character offsets.
+"""Tokenizing a context for both models, and the cross-tokenizer token alignment from character offsets.
 
 Each target token is mapped to the source tokens whose character spans overlap its own, weighted by the
 length of the overlap. The result is a sparse row-stochastic matrix `(target tokens) x (source tokens)`
@@ -9,12 +9,16 @@ cost more than the translation itself; applying it is one `embedding_bag` (a fus
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .kv import cast
+from .kv import cast, positions_from_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Span = tuple[int, int]
 
@@ -175,3 +179,65 @@ def build_alignment(
         index[b, tgt_pad:, :width] = np.where(row_weight > 0, row_index + src_pad, 0)
         weight[b, tgt_pad:, :width] = row_weight
     return TokenAlignment(torch.from_numpy(index), torch.from_numpy(weight), src_len)
+
+
+@dataclass
+class EncodedContext:
+    """A left-padded batch of contexts tokenized by one tokenizer, with character offsets."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    spans: list[list[tuple[int, int]]]
+    special: list[list[bool]]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(s) for s in self.spans]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return positions_from_mask(self.attention_mask)
+
+
+def check_contexts(context: str | list[str]) -> list[str]:
+    contexts = [context] if isinstance(context, str) else context
+    if not isinstance(contexts, (list, tuple)) or not all(isinstance(c, str) for c in contexts):
+        raise TypeError(f"`context` must be a string or a list of strings, got {type(context).__name__}.")
+    if not contexts:
+        raise ValueError("`context` is an empty list: pass at least one context string.")
+    for i, text in enumerate(contexts):
+        if not text.strip():
+            raise ValueError(f"`context[{i}]` is empty or whitespace only: there is nothing to translate.")
+    return list(contexts)
+
+
+def encode_contexts(tokenizer: PreTrainedTokenizerBase, contexts: list[str], device=None) -> EncodedContext:
+    """Tokenize each context (with the tokenizer's special tokens, e.g. BOS) and left-pad the batch."""
+    spans, special, ids = [], [], []
+    for text in contexts:
+        encoded = tokenizer(
+            text, add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True
+        )
+        ids.append(encoded["input_ids"])
+        spans.append([tuple(span) for span in encoded["offset_mapping"]])
+        special.append([bool(flag) for flag in encoded["special_tokens_mask"]])
+    longest = max(len(i) for i in ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.full((len(ids), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(ids), longest), dtype=torch.long)
+    for row, token_ids in enumerate(ids):
+        input_ids[row, longest - len(token_ids) :] = torch.tensor(token_ids, dtype=torch.long)
+        attention_mask[row, longest - len(token_ids) :] = 1
+    return EncodedContext(input_ids.to(device), attention_mask.to(device), spans, special)
+
+
+def align_contexts(
+    source: EncodedContext, target: EncodedContext, *, same_tokenizer: bool = False
+) -> TokenAlignment:
+    """Align a batch of target-tokenized contexts onto the same contexts tokenized for the source."""
+    identical = same_tokenizer and torch.equal(source.input_ids, target.input_ids)
+    rows = None
+    if not identical:
+        pairs = zip(source.spans, target.spans, source.special, target.special, strict=True)
+        rows = [span_overlaps(*pair) for pair in pairs]
+    return build_alignment(rows, source.lengths, target.lengths, is_identity=identical)

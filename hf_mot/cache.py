@@ -25,7 +25,6 @@ class TranslatedCache(DynamicCache):
         attention_mask (`torch.LongTensor` of shape `(batch, context_tokens)`): mask of the (left-padded)
             contexts; the `generate()` mask is this mask with ones appended for the new tokens.
         source_id (`str`) / target_id (`str`): which models the cache was translated from and for.
-        injection_mode (`str`): `"full"` or `"window"`.
 
     Example:
 
@@ -45,25 +44,14 @@ class TranslatedCache(DynamicCache):
         attention_mask: torch.Tensor,
         source_id: str = "",
         target_id: str = "",
-        injection_mode: str = "full",
     ):
         super().__init__(config=config)
         self.attention_mask = attention_mask
         self.source_id = source_id
         self.target_id = target_id
-        self.injection_mode = injection_mode
         self.num_context_tokens = attention_mask.shape[1]
         # How many of the last context tokens the target read itself rather than taking their translation.
         self.native_tokens = 0
-        # Layers whose next `update()` must store translated states instead of the ones the target computed.
-        self._injections: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # When a dict, `update()` records into it what each layer attends to over the context (full length,
-        # before a sliding-window layer drops old tokens); used while replaying the context in window mode.
-        self.record_context_kv: dict | None = None
-
-    def inject(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Make the next `update()` of `layer_idx` store (and attend to) `keys`/`values` instead."""
-        self._injections[layer_idx] = (keys, values)
 
     def place(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, seen_tokens: int) -> None:
         """Store an empty layer's context states as `update()` would after the layer read `seen_tokens` tokens,
@@ -100,20 +88,7 @@ class TranslatedCache(DynamicCache):
                 layer._sliding_window_tensor = layer._sliding_window_tensor.to(keys.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        # Every attention layer of transformers 5.x hands its new states to `update()` and attends to what it
-        # returns, which is what lets `window` mode inject translated layers into any architecture.
-        injected = self._injections.pop(layer_idx, None)
-        if injected is not None:
-            keys, values = injected
-            if keys.shape != key_states.shape:
-                raise ValueError(
-                    f"Injected keys for layer {layer_idx} have shape {tuple(keys.shape)} but the target computed "
-                    f"{tuple(key_states.shape)}: the translator does not match this target model."
-                )
-            key_states, value_states = keys.to(key_states.dtype), values.to(value_states.dtype)
         self._expand_to_batch(key_states.shape[0], layer_idx)
-        if self.record_context_kv is not None:
-            self.record_context_kv.setdefault(layer_idx, (key_states, value_states))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _expand_to_batch(self, batch: int, layer_idx: int) -> None:
@@ -152,7 +127,7 @@ class TranslatedCache(DynamicCache):
             lengths.append(getattr(layer, "cumulative_length", layer.keys.shape[-2]))
         metadata = {
             "format": "hf_mot.TranslatedCache", "source_id": self.source_id, "target_id": self.target_id,
-            "injection_mode": self.injection_mode, "seen_tokens": json.dumps(lengths),
+            "native_tokens": str(self.native_tokens), "seen_tokens": json.dumps(lengths),
         }
         folder = os.path.dirname(os.path.abspath(path))
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as tmp:
@@ -186,7 +161,8 @@ class TranslatedCache(DynamicCache):
         if mask is None or mask.dim() != 2:
             raise ValueError(f"{path} lacks the (batch, context tokens) attention mask that `save` writes.")
         cache = cls(config, attention_mask=mask, source_id=metadata.get("source_id", ""),
-                    target_id=metadata.get("target_id", ""), injection_mode=metadata.get("injection_mode", "full"))
+                    target_id=metadata.get("target_id", ""))
+        cache.native_tokens = int(metadata.get("native_tokens", 0))
         seen = json.loads(metadata.get("seen_tokens", "[]"))
         target = metadata.get("target_id") or "see its metadata"
         if len(seen) != len(cache.layers):

@@ -31,7 +31,7 @@ def _load_pair(args: argparse.Namespace):
     """The source, target and translator named on the command line (the shipped default if none is named), and
     the translator's name. A translator named without --source/--target brings the models it was built for."""
     from . import MoTConfig, MoTTranslator, load_model
-    from .modeling_mot import DEFAULT_TRANSLATORS
+    from .hub import DEFAULT_TRANSLATORS
 
     translator, recorded = None, set()
     if args.translator not in (None, UNTRAINED):
@@ -85,7 +85,8 @@ def _generate(args: argparse.Namespace) -> None:
 
     from . import translate_context
     from ._compat import cache_kwarg
-    from .pipeline import encode_contexts, prefill_source, read_into_cache
+    from .alignment import encode_contexts
+    from .pipeline import prefill_source, read_into_cache
 
     context = _read_context(args)
     torch.manual_seed(args.seed)
@@ -98,8 +99,8 @@ def _generate(args: argparse.Namespace) -> None:
     def translate():
         return translate_context(
             context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
-            target_tokenizer=target_tok, source_cache=source_cache, injection_mode=args.mode,
-            native_tail=args.native_tail, recompute=args.recompute,
+            target_tokenizer=target_tok, source_cache=source_cache, native_tail=args.native_tail,
+            recompute=args.recompute,
         )
 
     target_ids = encode_contexts(target_tok, [context]).input_ids
@@ -126,9 +127,9 @@ def _generate(args: argparse.Namespace) -> None:
     own_mask = torch.ones(1, target_ids.shape[1] + prompt.shape[1], dtype=torch.long)
     print(f"target's own answer (it reads the context itself): {answer(native_cache, own_mask)}")
     tokens, read = cache.num_context_tokens, cache.native_tokens  # the cache has grown by the answer
-    how = f", last {read} read natively" if 0 < read < tokens else ", all read natively" if read else ""
+    how = f" (last {read} read natively)" if 0 < read < tokens else " (all read natively)" if read else ""
     print(
-        f"context: {tokens} target tokens; translation ({cache.injection_mode} mode{how}): "
+        f"context: {tokens} target tokens; translation{how}: "
         f"{translate_s:.3f} s; native prefill of the target: {native_s:.3f} s ({native_s / translate_s:.1f}x)"
     )
 
@@ -144,14 +145,13 @@ def _translate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     cache = translate_context(
         context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
-        target_tokenizer=target_tok, injection_mode=args.mode, native_tail=args.native_tail,
-        recompute=args.recompute,
+        target_tokenizer=target_tok, native_tail=args.native_tail, recompute=args.recompute,
     )
     seconds = time.perf_counter() - start
     cache.save(args.output)
     print(
         f"wrote {args.output}: {cache.get_seq_length()} target tokens, {len(cache.layers)} layers, "
-        f"{cache.injection_mode} mode; source prefill + translation took {seconds:.3f} s. Load it with "
+        f"{cache.native_tokens} read natively; source prefill + translation took {seconds:.3f} s. Load it with "
         "`TranslatedCache.load(path, target_model.config)`."
     )
 
@@ -169,7 +169,8 @@ def _push(args: argparse.Namespace) -> None:
 
 def _evaluate(args: argparse.Namespace) -> None:
     """Every evaluation task for one (source, target, translator) triple, side by side: the target with no
-    context, reading the context natively, and from the translated cache in full and window mode. Writes
+    context, reading the context natively, and from the translated cache (pure translation, and each --recompute
+    point). Writes
     evaluation.json, evaluation.md and evaluation.png to --output-dir."""
     from .evaluation.report import run_evaluation, write_report
 
@@ -177,7 +178,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     report = run_evaluation(
         translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
         target_tokenizer=target_tok, tasks=tuple(args.tasks), limit=args.limit, lengths=tuple(args.lengths),
-        window=None if args.no_window else tuple(args.window), native_tail=args.native_tail, seed=args.seed,
+        recompute=tuple(args.recompute), native_tail=args.native_tail, seed=args.seed,
     )
     models = {"source": args.source, "target": args.target, "translator": translator_name}
     paths = write_report(report, args.output_dir, "hf-mot " + " ".join(sys.argv[1:]), models)
@@ -198,22 +199,20 @@ def _info(args: argparse.Namespace) -> None:
     from huggingface_hub import ModelCard
 
     from . import MoTConfig
-    from .modeling_mot import _read_model_card, shipped_translator_dir
+    from .hub import read_model_card, shipped_translator_dir
 
     location = shipped_translator_dir(args.translator) or args.translator
     config = MoTConfig.from_pretrained(location)
     source, target = config.source_layout, config.target_layout
     print(f"source: {source.name_or_path or '?'}  {source.describe()}")
     print(f"target: {target.name_or_path or '?'}  {target.describe()}")
-    start, count = config.produced_layer_range()
     print(
         f"translator: {config.num_experts} experts (top-{config.num_experts_per_token}), hidden {config.hidden_size}, "
-        f"expert width {config.expert_hidden_size}, {config.injection_mode} mode, "
-        f"target layers {start}-{start + count - 1}"
+        f"expert width {config.expert_hidden_size}, all {target.num_layers} target layers, recommended recompute "
+        f"{config.recompute:g}"
         + (", reads the target's token embeddings" if config.target_embedding_size else "")
-        + (f", MLPs of their own for target layers {config.layer_mlp_layers}" if config.layer_mlp_layers else "")
     )
-    card = _read_model_card(location, {})
+    card = read_model_card(location, {})
     results = ModelCard(card).data.eval_results if card else None
     if not results:
         print("measured: nothing reported in its model card (`hf-mot evaluate` measures it)")
@@ -239,11 +238,10 @@ def _add_pair_arguments(parser: argparse.ArgumentParser, *, context: bool) -> No
         "--translator", default=None,
         help=f"translator path or repo id (default: the one shipped for the pair; '{UNTRAINED}': a random one)",
     )
-    parser.add_argument("--mode", choices=["full", "window"], default=None, help="injection mode (default: config)")
     if context:
         parser.add_argument(
             "--native-tail", type=int, default=0, metavar="K",
-            help="full mode: the target reads the last K context tokens itself, on top of the translation of the "
+            help="the target reads the last K context tokens itself, on top of the translation of the "
                  "rest (fixes last-state shift for K tokens of prefill; default 0)",
         )
         parser.add_argument(
@@ -287,12 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=50, help="examples per task (documents for reuse)")
     evaluate.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                           help="long-context lengths in target tokens")
-    evaluate.add_argument("--window", type=int, nargs=2, default=[0, 6], metavar=("START", "COUNT"),
-                          help="translated layers injected in window mode")
-    evaluate.add_argument("--no-window", action="store_true", help="no window-mode condition")
+    evaluate.add_argument(
+        "--recompute", type=float, nargs="+", default=[], metavar="R",
+        help="add a condition per dial setting R in (0, 1]: the target spends that share of a prefill reading the "
+             "context itself (pure translation, R=0, is always run)",
+    )
     evaluate.add_argument(
         "--native-tail", type=int, default=0, metavar="K",
-        help="add a full-mode condition in which the target reads the last K context tokens itself (default 0: none)",
+        help="add a condition in which the target reads the last K context tokens itself (default 0: none)",
     )
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--output-dir", default="results/evaluation", help="where the report goes")

@@ -6,7 +6,6 @@ from transformers import PretrainedConfig
 
 from .kv import KVLayout
 
-INJECTION_MODES = ("full", "window")
 INITS = ("random", "identity")
 ARCHITECTURES = ("mixture", "per_layer")
 
@@ -21,6 +20,30 @@ def check_recompute(recompute, name: str = "`recompute`") -> float:
             f"got {recompute!r}."
         )
     return float(recompute)
+
+
+# Options of earlier versions that changed what a translator computes. A config that uses them describes a
+# translator this version would run differently, so it is refused rather than loaded with them ignored.
+REMOVED_OPTIONS = {
+    "injection_mode": ("full", "window mode (translated layers injected into the target's own pass over the "
+                       "context) contains a full prefill and cannot be faster than one"),
+    "local_context_tokens": (0, "the local token mixer never improved held-out fidelity"),
+    "layer_mlp_layers": (None, "per-layer MLPs never shipped"),
+}
+# Their companions, which only meant something with a removed option turned on.
+IGNORED_OPTIONS = ("injection_start", "injection_layers", "layer_mlp_size")
+
+
+def _refuse_removed_options(kwargs: dict) -> None:
+    for name, (harmless, why) in REMOVED_OPTIONS.items():
+        value = kwargs.pop(name, harmless)
+        if value != harmless and value != []:
+            raise ValueError(
+                f"`{name}={value!r}` is no longer supported: {why}. Retrain the translator without it "
+                f"(`hf-mot train`), or load it with the hf_mot version that trained it."
+            )
+    for name in IGNORED_OPTIONS:
+        kwargs.pop(name, None)
 
 
 class MoTConfig(PretrainedConfig):
@@ -38,13 +61,6 @@ class MoTConfig(PretrainedConfig):
             have their own mixture).
         num_experts_per_token (`int`, *optional*, defaults to 2): experts the router picks for each token (top-k
             softmax gating).
-        injection_mode (`str`, *optional*, defaults to `"full"`): `"full"` translates every target layer and
-            the target runs no pass over the context; `"window"` translates the layers
-            `[injection_start, injection_start + injection_layers)` and the target replays the context through
-            its own layers with that window injected.
-        injection_start (`int`, *optional*, defaults to 0): first injected target layer in `"window"` mode.
-        injection_layers (`int`, *optional*): number of injected target layers in `"window"` mode (defaults to
-            a quarter of the target depth, at least one).
         init (`str`, *optional*, defaults to `"random"`): `"identity"` builds the exact identity translator,
             which only makes sense with the same model on both sides (the oracle of the test suite).
         initializer_range (`float`, *optional*, defaults to 0.02): std of the random weight init.
@@ -56,15 +72,6 @@ class MoTConfig(PretrainedConfig):
             linear map of its own from this many source layers at the same relative depth, added to the
             mixture's output. The shared `hidden_size` representation caps the rank of all produced layers
             together; this path lifts the cap (it matters for values, which are high-rank across layers).
-        local_context_tokens (`int`, *optional*, defaults to 0): when > 0, each target token's representation
-            also reads the representations of this many target tokens before it (a causal linear mixer, before
-            the router). Otherwise every target token is translated from its own aligned source features only.
-        layer_mlp_layers (`list[int]`, *optional*, defaults to `[]`): target layers that each get an MLP of their
-            own in each mixture, added to the layer's output. It reads the mixture's shared representation and,
-            with `depth_matched_layers`, the depth-matched source features: nonlinear capacity for layers that
-            need more than the shared representation gives them (Gemma 3's full-attention layers, the only ones
-            that reach past its sliding window). Its output starts at zero.
-        layer_mlp_size (`int`, *optional*, defaults to 512): inner width of each of those MLPs.
         recompute (`float`, *optional*, defaults to 0.0): the share of a native prefill's compute that
             `translate_context(..., recompute=None)` lets the target spend reading part of the context itself (see
             `translate_context`): the translator's recommended point of its speed/quality curve. 0 is pure
@@ -92,34 +99,26 @@ class MoTConfig(PretrainedConfig):
     expert_hidden_size: int = 512
     num_experts: int = 4
     num_experts_per_token: int = 2
-    injection_mode: str = "full"
-    injection_start: int = 0
-    injection_layers: int | None = None
     init: str = "random"
     architecture: str = "mixture"
     initializer_range: float = 0.02
     target_embedding_size: int | None = None
     depth_matched_layers: int = 0
-    local_context_tokens: int = 0
-    layer_mlp_layers: list[int] | None = None
-    layer_mlp_size: int = 512
     recompute: float = 0.0
 
     def __post_init__(self, **kwargs):
+        _refuse_removed_options(kwargs)
         super().__post_init__(**kwargs)
         check_recompute(self.recompute, "`recompute`")
         for name, allowed in (
-            ("injection_mode", INJECTION_MODES),
             ("init", INITS),
             ("architecture", ARCHITECTURES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
-        for name in ("depth_matched_layers", "local_context_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"`{name}` must be >= 0 (0: off), got {getattr(self, name)}.")
-        self.layer_mlp_layers = sorted(self.layer_mlp_layers or [])
-        for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token", "layer_mlp_size"):
+        if self.depth_matched_layers < 0:
+            raise ValueError(f"`depth_matched_layers` must be >= 0 (0: off), got {self.depth_matched_layers}.")
+        for name in ("hidden_size", "expert_hidden_size", "num_experts", "num_experts_per_token"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
         if self.num_experts_per_token > self.num_experts:
@@ -129,15 +128,6 @@ class MoTConfig(PretrainedConfig):
             )
         if self.source is None or self.target is None:
             return
-        target = self.target_layout
-        if self.injection_layers is None and self.injection_mode == "window":
-            self.injection_layers = max(1, target.num_layers // 4)
-        start, count = self.produced_layer_range()
-        if start < 0 or count < 1 or start + count > target.num_layers:
-            raise ValueError(
-                f"The injection window [{start}, {start + count}) does not fit the target's {target.num_layers} "
-                "layers: choose `injection_start` and `injection_layers` inside it."
-            )
         if self.depth_matched_layers > self.source["num_layers"]:
             raise ValueError(
                 f"`depth_matched_layers` ({self.depth_matched_layers}) is more than the source's "
@@ -148,20 +138,6 @@ class MoTConfig(PretrainedConfig):
                 "`depth_matched_layers` needs `architecture='mixture'`: the per-layer baseline is depth-matched "
                 "already."
             )
-        if self.local_context_tokens and self.architecture != "mixture":
-            raise ValueError(
-                "`local_context_tokens` needs `architecture='mixture'`: the per-layer baseline reads each token on "
-                "its own. Leave it at 0."
-            )
-        if self.layer_mlp_layers:
-            if self.architecture != "mixture":
-                raise ValueError("`layer_mlp_layers` needs `architecture='mixture'`. Leave it empty.")
-            outside = [layer for layer in self.layer_mlp_layers if not start <= layer < start + count]
-            if outside or len(set(self.layer_mlp_layers)) != len(self.layer_mlp_layers):
-                raise ValueError(
-                    f"`layer_mlp_layers` must name distinct target layers this translator produces "
-                    f"([{start}, {start + count})), got {self.layer_mlp_layers}."
-                )
         if self.target_embedding_size is not None and self.architecture != "mixture":
             raise ValueError(
                 "`target_embedding_size` (reading the target's tokens) needs `architecture='mixture'`; the "
@@ -179,12 +155,6 @@ class MoTConfig(PretrainedConfig):
     @property
     def target_layout(self) -> KVLayout:
         return KVLayout.from_dict(self.target)
-
-    def produced_layer_range(self) -> tuple[int, int]:
-        """`(first target layer, number of layers)` that this translator produces."""
-        if self.injection_mode == "full":
-            return 0, self.target["num_layers"]
-        return self.injection_start, self.injection_layers
 
     def _check_identity_possible(self) -> None:
         source, target = self.source_layout, self.target_layout

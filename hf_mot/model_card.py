@@ -42,13 +42,6 @@ def render_model_card(
     depth_matched = (
         f", a depth-matched path from {config.depth_matched_layers} source layers per target layer"
         if config.depth_matched_layers else ""
-    ) + (
-        f", a local mixer over the {config.local_context_tokens} previous target tokens"
-        if config.local_context_tokens else ""
-    ) + (
-        f", MLPs of their own ({config.layer_mlp_size} wide) for target layers "
-        f"{', '.join(map(str, config.layer_mlp_layers))}"
-        if config.layer_mlp_layers else ""
     )
     eval_results = []
     for mode, summary in (fidelity or {}).items():
@@ -82,7 +75,6 @@ def render_model_card(
         model_name=repo_id,
         eval_results=eval_results or None,
     )
-    start, count = config.produced_layer_range()
     size = f"{parameters / 1e6:.1f}M parameters, " if parameters else ""
     return ModelCard.from_template(
         card_data,
@@ -97,7 +89,7 @@ def render_model_card(
             f"{size}{config.num_experts} experts per mixture (top-{config.num_experts_per_token}), hidden size "
             f"{config.hidden_size}, expert width {config.expert_hidden_size}, reading all source layers"
             f"{' and the target token embeddings' if config.target_embedding_size else ''}{depth_matched}, "
-            f"`{config.injection_mode}` mode, target layers {start}-{start + count - 1}; recommended `recompute` "
+            f"every target layer translated; recommended `recompute` "
             f"{config.recompute:g} (what `translate_context(..., recompute=None)` uses)"
         ),
         source_load_name=source_load_name or source.name_or_path or "SOURCE_MODEL",

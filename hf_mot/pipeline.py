@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from ._compat import cache_kwarg, returned_cache
-from .alignment import TokenAlignment, build_alignment, span_overlaps
+from .alignment import EncodedContext, TokenAlignment, align_contexts, check_contexts, encode_contexts
 from .cache import TranslatedCache
 from .configuration_mot import check_recompute
 from .kv import (
@@ -18,73 +17,10 @@ from .kv import (
     cast,
     finish_target_keys,
     layer_index,
-    positions_from_mask,
     read_source_cache,
     tokenizer_fingerprint,
 )
 from .modeling_mot import MoTOutput, MoTTranslator
-
-
-@dataclass
-class EncodedContext:
-    """A left-padded batch of contexts tokenized by one tokenizer, with character offsets."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    spans: list[list[tuple[int, int]]]
-    special: list[list[bool]]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(s) for s in self.spans]
-
-    @property
-    def position_ids(self) -> torch.Tensor:
-        return positions_from_mask(self.attention_mask)
-
-
-def _check_contexts(context: str | list[str]) -> list[str]:
-    contexts = [context] if isinstance(context, str) else context
-    if not isinstance(contexts, (list, tuple)) or not all(isinstance(c, str) for c in contexts):
-        raise TypeError(f"`context` must be a string or a list of strings, got {type(context).__name__}.")
-    if not contexts:
-        raise ValueError("`context` is an empty list: pass at least one context string.")
-    for i, text in enumerate(contexts):
-        if not text.strip():
-            raise ValueError(f"`context[{i}]` is empty or whitespace only: there is nothing to translate.")
-    return list(contexts)
-
-
-def encode_contexts(tokenizer: PreTrainedTokenizerBase, contexts: list[str], device=None) -> EncodedContext:
-    """Tokenize each context (with the tokenizer's special tokens, e.g. BOS) and left-pad the batch."""
-    spans, special, ids = [], [], []
-    for text in contexts:
-        encoded = tokenizer(
-            text, add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True
-        )
-        ids.append(encoded["input_ids"])
-        spans.append([tuple(span) for span in encoded["offset_mapping"]])
-        special.append([bool(flag) for flag in encoded["special_tokens_mask"]])
-    longest = max(len(i) for i in ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    input_ids = torch.full((len(ids), longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(ids), longest), dtype=torch.long)
-    for row, token_ids in enumerate(ids):
-        input_ids[row, longest - len(token_ids) :] = torch.tensor(token_ids, dtype=torch.long)
-        attention_mask[row, longest - len(token_ids) :] = 1
-    return EncodedContext(input_ids.to(device), attention_mask.to(device), spans, special)
-
-
-def align_contexts(
-    source: EncodedContext, target: EncodedContext, *, same_tokenizer: bool = False
-) -> TokenAlignment:
-    """Align a batch of target-tokenized contexts onto the same contexts tokenized for the source."""
-    identical = same_tokenizer and torch.equal(source.input_ids, target.input_ids)
-    rows = None
-    if not identical:
-        pairs = zip(source.spans, target.spans, source.special, target.special, strict=True)
-        rows = [span_overlaps(*pair) for pair in pairs]
-    return build_alignment(rows, source.lengths, target.lengths, is_identity=identical)
 
 
 def read_into_cache(model: PreTrainedModel, cache: Cache, input_ids, attention_mask=None, position_ids=None):
@@ -224,46 +160,23 @@ def build_translated_cache(
     target_model: PreTrainedModel,
     target: EncodedContext,
     *,
-    injection_mode: str | None = None,
-    injection_window: tuple[int, int] | None = None,
     native_tail: int = 0,
     source_id: str = "",
 ) -> TranslatedCache:
-    """Translate position-free source KV and place it in a `TranslatedCache` of the target.
+    """Translate position-free source KV and place it in a `TranslatedCache` of the target, every target layer.
 
-    In `"full"` mode every target layer comes from the translator. In `"window"` mode the translator's layers
-    are injected into the target's own pass over the context (the target's other layers compute natively);
-    `injection_window=(start, count)` injects only those of the translator's layers (e.g. a window of a
-    translator trained for `"full"` mode). `native_tail=k` (full mode) keeps the translation of all but the
-    last `k` context tokens and lets the target read those `k` itself on top of it (see `translate_context`).
+    `native_tail=k` keeps the translation of all but the last `k` context tokens and lets the target read
+    those `k` itself on top of it (see `translate_context`).
     """
-    mode = injection_mode or translator.config.injection_mode
-    _check_native_tail(native_tail, mode, target.input_ids.shape[1])
+    _check_native_tail(native_tail, target.input_ids.shape[1])
     _check_devices_and_dtypes(translator, source, target_model)
     target_layout = KVLayout.from_config(target_model.config)
-    if mode == "full" and len(translator.produced_layers) != target_layout.num_layers:
-        raise ValueError(
-            f"`injection_mode='full'` needs every target layer, but this translator produces layers "
-            f"{translator.produced_layers[0]}-{translator.produced_layers[-1]} only: use `injection_mode='window'`."
-        )
-    layers = translator.produced_layers
-    if injection_window is not None:
-        start, count = injection_window
-        wanted = list(range(start, start + count))
-        if mode != "window" or not set(wanted) <= set(layers):
-            raise ValueError(
-                f"`injection_window={injection_window}` needs `injection_mode='window'` and layers the translator "
-                f"produces ({layers[0]}-{layers[-1]})."
-            )
-        layers = wanted
-    last_tokens = None
-    if mode == "full":
-        last_tokens = _tokens_kept(target_layout, translator.produced_layers, target.input_ids.shape[1], native_tail)
+    last_tokens = _tokens_kept(target_layout, target.input_ids.shape[1], native_tail)
     translated = run_translator(
         translator, source, alignment, target_model, target.input_ids, target.attention_mask, last_tokens
     )
     if not native_tail:
-        cache, _ = fill_translated_cache(translated, target_model, target, mode, layers, source_id=source_id)
+        cache, _ = fill_translated_cache(translated, target_model, target, source_id=source_id)
         return cache
     # The translator reads the whole context (the source tokens of the tail inform the tokens before it, as
     # they would without a tail); only the tail's own translated states are dropped.
@@ -276,7 +189,7 @@ def build_translated_cache(
         block_layers=translated.block_layers,
         aux_loss=translated.aux_loss,
     )
-    cache, _ = fill_translated_cache(translated, target_model, head, mode, layers, source_id=source_id)
+    cache, _ = fill_translated_cache(translated, target_model, head, source_id=source_id)
     cache.attention_mask, cache.num_context_tokens = target.attention_mask, target.input_ids.shape[1]
     cache.native_tokens = native_tail
     read_into_cache(target_model, cache, target.input_ids[:, -native_tail:], target.attention_mask,
@@ -284,8 +197,8 @@ def build_translated_cache(
     return cache
 
 
-def _tokens_kept(layout: KVLayout, layers: list[int], context_tokens: int, native_tail: int) -> list | None:
-    """Per target layer, how many of the last context tokens its cache layer keeps in full mode (`None`: all).
+def _tokens_kept(layout: KVLayout, context_tokens: int, native_tail: int) -> list | None:
+    """Per target layer, how many of the last context tokens its cache layer keeps (`None`: all).
 
     A sliding-window layer keeps the last `sliding_window - 1` tokens (transformers' `DynamicSlidingWindowLayer`),
     plus, with a native tail, those the tail's tokens still look back at. The translator need not produce the
@@ -296,17 +209,12 @@ def _tokens_kept(layout: KVLayout, layers: list[int], context_tokens: int, nativ
     kept = layout.sliding_window - 1 + native_tail
     if kept >= context_tokens:
         return None
-    return [kept if layout.layer_types[layer] == "sliding_attention" else None for layer in layers]
+    return [kept if kind == "sliding_attention" else None for kind in layout.layer_types]
 
 
-def _check_native_tail(native_tail, mode: str, context_tokens: int) -> None:
+def _check_native_tail(native_tail, context_tokens: int) -> None:
     if isinstance(native_tail, bool) or not isinstance(native_tail, int) or native_tail < 0:
         raise ValueError(f"`native_tail` must be a whole number of tokens >= 0, got {native_tail!r}.")
-    if native_tail and mode != "full":
-        raise ValueError(
-            f"`native_tail={native_tail}` needs `injection_mode='full'`: in {mode!r} mode the target already "
-            "reads every context token itself."
-        )
     if native_tail >= context_tokens:
         raise ValueError(
             f"`native_tail={native_tail}` leaves nothing to translate: the context is {context_tokens} target "
@@ -318,28 +226,23 @@ def fill_translated_cache(
     translated: MoTOutput,
     target_model: PreTrainedModel,
     target: EncodedContext,
-    mode: str,
     layers: list[int] | None = None,
     source_id: str = "",
+    cache: TranslatedCache | None = None,
 ) -> tuple[TranslatedCache, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Place translator output in a `TranslatedCache`: the target's key-norm scale and RoPE on the keys, then
-    `update()` (full mode) or injection into the target's replay of the context (window mode).
+    each layer into the cache.
 
-    Also returns, per target layer, the keys and values the target attends to over the context: the
-    translated ones, and in window mode the ones the target computed above the window on top of them (every
-    context token, including those a sliding-window layer will not keep). Training compares them with the
-    target's native cache.
+    `layers` limits it to some target layers, and `cache` (empty) is the cache to fill: the window-injection
+    diagnostic (`hf_mot.evaluation.injection`) uses both. Also returns, per target layer, the keys and values
+    placed, for training to compare with the target's native cache.
     """
     layers = translated.layers if layers is None else layers
     positions = target.position_ids
     dtype = target_model.dtype
-    cache = TranslatedCache(
-        target_model.config,
-        attention_mask=target.attention_mask,
-        source_id=source_id,
-        target_id=target_model.config.name_or_path,
-        injection_mode=mode,
-    )
+    if cache is None:
+        cache = TranslatedCache(target_model.config, attention_mask=target.attention_mask, source_id=source_id,
+                                target_id=target_model.config.name_or_path)
     context_kv = {}
     context_tokens = positions.shape[1]
     for block_layers, keys, values in zip(translated.block_layers, translated.key_blocks, translated.value_blocks,
@@ -356,31 +259,19 @@ def fill_translated_cache(
         values = cast(values, dtype)
         for layer_idx, layer_keys, layer_values in zip(block_layers, keys.unbind(0), values.unbind(0), strict=True):
             context_kv[layer_idx] = (layer_keys, layer_values)
-            if mode == "full":
-                cache.place(layer_idx, layer_keys, layer_values, context_tokens)
-            else:
-                cache.inject(layer_idx, layer_keys, layer_values)
-    if mode == "window":
-        cache.record_context_kv = context_kv
-        read_into_cache(target_model, cache, target.input_ids, target.attention_mask, positions)
-        cache.record_context_kv = None
+            cache.place(layer_idx, layer_keys, layer_values, context_tokens)
     return cache, dict(sorted(context_kv.items()))
 
 
-def _recompute_share(recompute, native_tail: int, translator: MoTTranslator, mode: str) -> float:
+def _recompute_share(recompute, native_tail: int, translator: MoTTranslator) -> float:
     """The share of a prefill the target spends reading the context (see `translate_context`)."""
     if recompute is None:
-        return 0.0 if native_tail or mode != "full" else translator.config.recompute
+        return 0.0 if native_tail else translator.config.recompute
     share = check_recompute(recompute)
     if native_tail:
         raise ValueError(
             f"`recompute={recompute!r}` and `native_tail={native_tail!r}` both set how much of the context the "
             "target reads itself: pass one of them."
-        )
-    if 0.0 < share < 1.0 and mode != "full":
-        raise ValueError(
-            f"`recompute={recompute!r}` needs `injection_mode='full'`: in {mode!r} mode the target already reads "
-            "every context token itself."
         )
     return share
 
@@ -404,8 +295,6 @@ def translate_context(
     target_model: PreTrainedModel,
     target_tokenizer: PreTrainedTokenizerBase,
     source_cache: Cache | None = None,
-    injection_mode: str | None = None,
-    injection_window: tuple[int, int] | None = None,
     native_tail: int = 0,
     recompute: float | None = None,
 ) -> TranslatedCache:
@@ -419,11 +308,8 @@ def translate_context(
         source_cache (`transformers.Cache`, *optional*): the source model's cache of exactly this context
             (tokenized by `source_tokenizer` with special tokens, left-padded). Given, the source does not read
             the context again.
-        injection_mode (`str`, *optional*): `"full"` or `"window"`; defaults to the translator's config.
-        injection_window (`tuple[int, int]`, *optional*): in `"window"` mode, inject only the translator's
-            layers `start .. start + count - 1`.
         native_tail (`int`, *optional*, defaults to 0): the target reads the last this many context tokens itself,
-            on top of the translation of the rest (full mode). `recompute` sets it from a share instead.
+            on top of the translation of the rest. `recompute` sets it from a share instead.
         recompute (`float`, *optional*): the speed/quality dial, the share of a native prefill's compute the
             target may spend reading part of the context itself: 0 is pure translation (fastest), 1 the target's
             own prefill (exact; neither the source cache nor the translator is read). In between, the target
@@ -445,7 +331,7 @@ def translate_context(
     212
     ```
     """
-    contexts = _check_contexts(context)
+    contexts = check_contexts(context)
     translator.check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
     device = source_model.device
     source_enc = encode_contexts(source_tokenizer, contexts, device)
@@ -456,13 +342,12 @@ def translate_context(
             f"`context` is {target_enc.input_ids.shape[1]} target tokens long but the target model holds at most "
             f"{limit}: shorten the context or split it; nothing is truncated silently."
         )
-    mode = injection_mode or translator.config.injection_mode
-    share = _recompute_share(recompute, native_tail, translator, mode)
+    share = _recompute_share(recompute, native_tail, translator)
     if share == 1.0:
         return read_context(target_model, target_enc, source_id=source_model.config.name_or_path)
     if share:
         native_tail = int(share * target_enc.input_ids.shape[1])
-    _check_native_tail(native_tail, mode, target_enc.input_ids.shape[1])
+    _check_native_tail(native_tail, target_enc.input_ids.shape[1])
     same_tokenizer = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
     alignment = align_contexts(source_enc, target_enc, same_tokenizer=same_tokenizer)
     if source_cache is None:
@@ -474,8 +359,6 @@ def translate_context(
         alignment,
         target_model,
         target_enc,
-        injection_mode=injection_mode,
-        injection_window=injection_window,
         native_tail=native_tail,
         source_id=source_model.config.name_or_path,
     )

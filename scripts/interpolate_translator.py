@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 
 from hf_mot import MoTTranslator
-from hf_mot.evaluation.report import write_json_atomically
+from hf_mot.files import write_json_atomically
 from hf_mot.training.train import INTERPOLATION_RECORD, RECORD
+from hf_mot.training.widen import widen_translator
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
         run.config.hidden_size, run.config.expert_hidden_size
     ):
         seed = json.loads((trained / RECORD).read_text())["args"]["seed"]
-        start = start.widened(run.config.hidden_size, run.config.expert_hidden_size, seed=seed)
+        start = widen_translator(start, run.config.hidden_size, run.config.expert_hidden_size, seed=seed)
     start_state, run_states = start.state_dict(), [r.state_dict() for r in runs]
     if any(state.keys() != start_state.keys() for state in run_states):
         parser.error(f"{args.start} and {args.run} do not have the same weights; interpolate a run with its start.")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from hf_mot import MoTTranslator
 from hf_mot.data import TRAINING_DATASETS
+from hf_mot.hub import SHIPPED_TRANSLATORS
 from hf_mot.model_card import DEFAULT_USAGE_PROMPT, render_model_card
-from hf_mot.modeling_mot import SHIPPED_TRANSLATORS
 from hf_mot.training.train import INTERPOLATION_RECORD, RECORD
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +40,7 @@ def _runtime_minutes(run: Path) -> float:
 
 
 # Translator paths a phase may add (at zero) to the translator it starts from, and how the card names them.
-ADDED_PATHS = {"target_embedding_size": "the target-token reader", "depth_matched_layers": "the depth-matched path",
-               "local_context_tokens": "the local token mixer", "layer_mlp_layers": "the layer MLPs"}
+ADDED_PATHS = {"target_embedding_size": "the target-token reader", "depth_matched_layers": "the depth-matched path"}
 
 
 def _added_paths(folder: Path, parent: str | None) -> str:

@@ -154,24 +154,28 @@ def identity_translator(model, tokenizer, **options):
 
 
 def native_and_translated(
-    model, tokenizer, translator, contexts, prompt, *, injection_mode=None, native_tail=0, recompute=None,
+    model, tokenizer, translator, contexts, prompt, *, native_tail=0, recompute=None, window=None,
     target=None, target_tokenizer=None, **generate_kwargs
 ):
-    """Generate from native prefill of context + prompt, and from the translated cache + prompt.
+    """Generate from native prefill of context + prompt, and from the translated cache + prompt (or, with
+    `window=(start, count)`, from the window-injection diagnostic's cache).
 
     `model` is the source and, unless `target`/`target_tokenizer` are given, the target. Returns the two token
     tensors (new tokens only).
     """
     from hf_mot import translate_context
     from hf_mot._compat import cache_kwarg
-    from hf_mot.pipeline import encode_contexts
+    from hf_mot.alignment import encode_contexts
+    from hf_mot.evaluation.injection import translate_with_window
 
     source, source_tokenizer = model, tokenizer
     model, tokenizer = target or model, target_tokenizer or tokenizer
-    cache = translate_context(
-        contexts, translator=translator, source_model=source, source_tokenizer=source_tokenizer, target_model=model,
-        target_tokenizer=tokenizer, injection_mode=injection_mode, native_tail=native_tail, recompute=recompute,
-    )
+    models = dict(translator=translator, source_model=source, source_tokenizer=source_tokenizer, target_model=model,
+                  target_tokenizer=tokenizer)
+    if window is None:
+        cache = translate_context(contexts, **models, native_tail=native_tail, recompute=recompute)
+    else:
+        cache = translate_with_window(contexts, **models, window=window)
     batch = len(contexts) if isinstance(contexts, list) else 1
     prompt_ids = tokenizer([prompt] * batch, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
     context = encode_contexts(tokenizer, contexts if isinstance(contexts, list) else [contexts], model.device)

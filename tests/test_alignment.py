@@ -8,9 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from hf_mot.alignment import build_alignment, span_overlaps
+from hf_mot.alignment import align_contexts, build_alignment, encode_contexts, span_overlaps
 from hf_mot.models import convert_embedded_model
-from hf_mot.pipeline import align_contexts, encode_contexts
 
 
 def align_spans(*spans_and_specials):

@@ -43,7 +43,7 @@ def _generate_on_the_document(dirs, *options):
 def test_generate_prints_answer_and_timings(dirs):
     lines = _generate_on_the_document(dirs, "--prompt", " Q: where? A:", "--max-new-tokens", "4")
     assert lines[0].startswith("answer: ") and lines[1].startswith("target's own answer")
-    assert "translation (full mode):" in lines[2] and "native prefill of the target:" in lines[2]
+    assert "translation: " in lines[2] and "native prefill of the target:" in lines[2]
 
 
 def test_generate_at_recompute_one_answers_as_the_target_itself(dirs):
@@ -57,7 +57,7 @@ def test_generate_at_recompute_one_answers_as_the_target_itself(dirs):
 
 def test_generate_with_a_native_tail(dirs):
     lines = _generate_on_the_document(dirs, "--native-tail", "8", "--max-new-tokens", "4")
-    assert "translation (full mode, last 8 read natively):" in lines[2]
+    assert "translation (last 8 read natively):" in lines[2]
     result = _hf_mot("generate", "--source", dirs / "src", "--target", dirs / "tgt", "--translator",
                      dirs / "translator", "--context", "Hi.", "--native-tail", "8")
     assert result.returncode == 1

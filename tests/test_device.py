@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 from hf_mot import MoTConfig, MoTTranslator, translate_context
 from hf_mot._compat import cache_kwarg
-from hf_mot.pipeline import encode_contexts, read_into_cache
+from hf_mot.alignment import encode_contexts
+from hf_mot.pipeline import read_into_cache
 
 CUDA = pytest.param(
     "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none here")

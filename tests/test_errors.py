@@ -5,7 +5,8 @@ import torch
 from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, identity_translator, tiny_model
 
 from hf_mot import MoTConfig, MoTTranslator, translate_context
-from hf_mot.pipeline import encode_contexts, prefill_source
+from hf_mot.alignment import encode_contexts
+from hf_mot.pipeline import prefill_source
 
 
 @pytest.fixture
@@ -111,21 +112,17 @@ def test_sliding_window_cache_that_lost_tokens(pair):
 
 
 @pytest.mark.parametrize(
-    "tail, mode, message",
+    "tail, message",
     [
-        (-1, "full", r"`native_tail` must be a whole number of tokens >= 0, got -1"),
-        (2.5, "full", r"`native_tail` must be a whole number"),
-        (True, "full", r"`native_tail` must be a whole number"),
-        (4, "window", r"`native_tail=4` needs `injection_mode='full'`"),
-        (10_000, "full", r"`native_tail=10000` leaves nothing to translate: the context is \d+ target tokens"),
+        (-1, r"`native_tail` must be a whole number of tokens >= 0, got -1"),
+        (2.5, r"`native_tail` must be a whole number"),
+        (True, r"`native_tail` must be a whole number"),
+        (10_000, r"`native_tail=10000` leaves nothing to translate: the context is \d+ target tokens"),
     ],
 )
-def test_bad_native_tail(pair, tail, mode, message):
-    model, tokenizer, _ = pair
-    config = MoTConfig.from_models(model.config, model.config, injection_mode="window", injection_layers=1)
-    translator = MoTTranslator(config) if mode == "window" else pair[2]
+def test_bad_native_tail(pair, tail, message):
     with pytest.raises(ValueError, match=message):
-        _translate(pair, translator=translator, native_tail=tail, injection_mode=mode)
+        _translate(pair, native_tail=tail)
 
 
 def test_identity_init_needs_one_model():
@@ -133,19 +130,26 @@ def test_identity_init_needs_one_model():
         MoTConfig.from_models(tiny_model("llama").config, tiny_model("qwen2").config, init="identity")
 
 
-def test_full_mode_needs_every_layer(pair):
-    model, tokenizer, _ = pair
-    config = MoTConfig.from_models(model.config, model.config, injection_mode="window", injection_layers=1)
-    with pytest.raises(ValueError, match=r"use `injection_mode='window'`"):
-        _translate(pair, translator=MoTTranslator(config), injection_mode="full")
+@pytest.mark.parametrize(
+    "option", [dict(injection_mode="window", injection_layers=1), dict(local_context_tokens=2),
+               dict(layer_mlp_layers=[1])],
+)
+def test_configs_of_removed_options_are_refused(pair, option):
+    """A config saved with an option this version no longer runs (window mode, the local mixer, layer MLPs) is
+    refused by name rather than loaded with it ignored; the harmless values old configs carry still load."""
+    model, _, _ = pair
+    with pytest.raises(ValueError, match=rf"`{next(iter(option))}=.*` is no longer supported"):
+        MoTConfig.from_models(model.config, model.config, **option)
+    old = dict(injection_mode="full", injection_start=0, injection_layers=None, local_context_tokens=0,
+               layer_mlp_layers=[], layer_mlp_size=512)
+    config = MoTConfig.from_models(model.config, model.config, **old)
+    assert not any(hasattr(config, name) for name in old)
 
 
 @pytest.mark.parametrize(
     "options, message",
     [
         (dict(num_experts=2, num_experts_per_token=3), r"`num_experts_per_token` \(3\) must be <= `num_experts`"),
-        (dict(injection_mode="partial"), r"`injection_mode` must be one of"),
-        (dict(injection_mode="window", injection_start=2, injection_layers=4), r"injection window \[2, 6\)"),
         (dict(init="identity", hidden_size=8), r"`init='identity'` needs `hidden_size` equal to"),
     ],
 )

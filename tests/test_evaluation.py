@@ -7,7 +7,7 @@ import pytest
 from conftest import char_tokenizer, identity_translator, tiny_model
 
 from hf_mot.evaluation.metrics import choice_correct, exact_match, normalize_answer, token_f1
-from hf_mot.evaluation.report import machine_info, markdown_report, run_evaluation, write_json_atomically, write_report
+from hf_mot.evaluation.report import machine_info, markdown_report, run_evaluation, write_report
 from hf_mot.evaluation.tasks import (
     boolq_examples,
     long_context_examples,
@@ -15,6 +15,7 @@ from hf_mot.evaluation.tasks import (
     synthetic_document,
     synthetic_qa_examples,
 )
+from hf_mot.files import write_json_atomically
 
 
 def test_normalize_and_exact_match():
@@ -76,9 +77,9 @@ def test_harness_end_to_end_with_the_identity_oracle(tmp_path):
     report = run_evaluation(
         translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
         target_tokenizer=tokenizer, tasks=("boolq", "synthetic", "long_context", "reuse"), limit=8,
-        lengths=(96, 192), window=(0, 1), native_tail=4, progress=False,
+        lengths=(96, 192), recompute=(0.5,), native_tail=4, progress=False,
     )
-    assert report["conditions"] == ["full", "window", "full+tail4"]
+    assert report["conditions"] == ["full", "recompute=0.5", "full+tail4"]
     results = report["results"]
     for task in ("boolq", "synthetic", "long_context"):
         rows = results[task]["rows"]

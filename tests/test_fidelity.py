@@ -31,9 +31,7 @@ def test_identity_translator_closes_the_whole_gap(mode):
         FidelityExample(c[:40], tokenizer(c[40:60], add_special_tokens=False).input_ids, 41, "test")
         for c in CONTEXTS
     ]
-    options = {"injection_mode": mode}
-    if mode == "window":
-        options["injection_window"] = (1, 1)
+    options = {"window": (1, 1)} if mode == "window" else {}
     rows = evaluate_fidelity(
         examples, translator=translator, source_model=model, source_tokenizer=tokenizer, target_model=model,
         target_tokenizer=tokenizer, conditions={mode: options}, progress=False,

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from hf_mot import TranslatedCache, translate_context
 from hf_mot._compat import cache_kwarg
-from hf_mot.pipeline import encode_contexts
+from hf_mot.alignment import encode_contexts
 
 PROMPT = " Q: and then? A:"
 
@@ -50,12 +50,12 @@ def test_decoding_strategies_match_native(setup, kwargs):
     assert translated.tolist() == native.tolist()
 
 
-@pytest.mark.parametrize("mode", ["full", "window"])
-def test_padded_batch_matches_native_batch(setup, mode):
+@pytest.mark.parametrize("recompute", [0.0, 0.3, 1.0])
+def test_padded_batch_matches_native_batch(setup, recompute):
     model, tokenizer, translator = setup
     contexts = [CONTEXTS[0], "Short.", CONTEXTS[3][:40]]
     native, translated = native_and_translated(
-        model, tokenizer, translator, contexts, PROMPT, injection_mode=mode, max_new_tokens=16, do_sample=False
+        model, tokenizer, translator, contexts, PROMPT, recompute=recompute, max_new_tokens=16, do_sample=False
     )
     assert translated.tolist() == native.tolist()
 

@@ -7,12 +7,13 @@ from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, tiny_model
 from hf_mot import MoTConfig, MoTTranslator, TranslatedCache, translate_context
 from hf_mot._compat import cache_kwarg
 from hf_mot.kv import read_source_cache
+from hf_mot.training.widen import widen_translator
 
 
-def _check_generates(source, source_tok, target, target_tok, translator, contexts, mode):
+def _check_generates(source, source_tok, target, target_tok, translator, contexts, recompute=0.0):
     cache = translate_context(
         contexts, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
-        target_tokenizer=target_tok, injection_mode=mode,
+        target_tokenizer=target_tok, recompute=recompute,
     )
     assert isinstance(cache, TranslatedCache)
     layout = translator.target_layout
@@ -38,20 +39,20 @@ def test_per_layer_baseline_generates():
     translator = MoTTranslator(config).eval()
     assert not hasattr(translator, "key_mixture")
     assert translator.projector.source_layers == [0, 0, 1]  # 2 source layers spread over 3 target layers
-    for mode in ("full", "window"):
-        _check_generates(source, source_tok, target, target_tok, translator, CONTEXTS[:2], mode)
+    for recompute in (0.0, 0.3):
+        _check_generates(source, source_tok, target, target_tok, translator, CONTEXTS[:2], recompute)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("mode", ["full", "window"])
+@pytest.mark.parametrize("recompute", [0.0, 0.3])
 @pytest.mark.parametrize("source_family, target_family", [("llama", "gemma3"), ("gpt2", "qwen2"), ("opt", "llama")])
-def test_tiny_pairs(source_family, target_family, mode, batch):
+def test_tiny_pairs(source_family, target_family, recompute, batch):
     source, target = tiny_model(source_family, seed=1), tiny_model(target_family, seed=2)
     source_tok, target_tok = char_tokenizer(), bpe_tokenizer()
     config = MoTConfig.from_models(source.config, target.config, source_tokenizer=source_tok,
                                    target_tokenizer=target_tok, hidden_size=16, expert_hidden_size=16)
     translator = MoTTranslator(config).eval()
-    _check_generates(source, source_tok, target, target_tok, translator, CONTEXTS[:batch], mode)
+    _check_generates(source, source_tok, target, target_tok, translator, CONTEXTS[:batch], recompute)
 
 
 @pytest.mark.real_models
@@ -63,22 +64,22 @@ def test_smollm2_to_gemma3_untrained(smollm2, gemma3, batch):
     assert config.source["num_layers"] == 30 and config.target["num_layers"] == 18
     translator = MoTTranslator(config).eval()
     contexts = ["A context with emoji 🙂, CJK 東京 and   runs of spaces.", CONTEXTS[0], CONTEXTS[1]][:batch]
-    for mode in ("full", "window"):
-        _check_generates(source, source_tok, target, target_tok, translator, contexts, mode)
+    for recompute in (0.0, 0.3):
+        _check_generates(source, source_tok, target, target_tok, translator, contexts, recompute)
 
 
-def test_window_mode_only_replaces_the_window():
-    """Below the injection window, the window-mode cache is exactly the target's own cache."""
+def test_window_injection_only_replaces_the_window():
+    """Below the injected window, the window-injection diagnostic's cache is exactly the target's own cache."""
+    from hf_mot.evaluation.injection import translate_with_window
+
     target, tok = tiny_model("qwen2"), char_tokenizer()
     source = tiny_model("llama", seed=5)
-    config = MoTConfig.from_models(source.config, target.config, injection_mode="window", injection_start=1,
-                                   injection_layers=1, hidden_size=16)
-    translator = MoTTranslator(config)
-    cache = translate_context(CONTEXTS[0], translator=translator, source_model=source, source_tokenizer=tok,
-                              target_model=target, target_tokenizer=tok)
+    translator = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16))
+    cache = translate_with_window(CONTEXTS[0], translator=translator, source_model=source, source_tokenizer=tok,
+                                  target_model=target, target_tokenizer=tok, window=(1, 1))
     from transformers import DynamicCache
 
-    from hf_mot.pipeline import encode_contexts
+    from hf_mot.alignment import encode_contexts
 
     native = DynamicCache(config=target.config)
     with torch.no_grad():
@@ -101,7 +102,7 @@ def test_native_tail_is_read_by_the_target():
     tail = translate_context(CONTEXTS[0], native_tail=6, **kwargs)
     from transformers import DynamicCache
 
-    from hf_mot.pipeline import encode_contexts
+    from hf_mot.alignment import encode_contexts
 
     native = DynamicCache(config=target.config)
     with torch.no_grad():
@@ -128,7 +129,7 @@ def test_first_token_is_the_targets_own():
     contexts = [CONTEXTS[0], CONTEXTS[2][:30]]
     from transformers import DynamicCache
 
-    from hf_mot.pipeline import encode_contexts
+    from hf_mot.alignment import encode_contexts
 
     encoded = encode_contexts(tok, contexts)
     first = encoded.attention_mask.argmax(dim=1)
@@ -150,9 +151,10 @@ def test_first_token_is_the_targets_own():
 
 @pytest.mark.parametrize("native_tail", [0, 3])
 def test_sliding_layers_get_only_the_tokens_they_keep(native_tail):
-    """Full mode translates a sliding-window layer's last `sliding_window - 1` tokens only (plus the native
+    """The translator produces a sliding-window layer's last `sliding_window - 1` tokens only (plus the native
     tail's); the cache, its token counts and what generate() makes of it equal translating every token."""
-    from hf_mot.pipeline import align_contexts, encode_contexts, fill_translated_cache, prefill_source, run_translator
+    from hf_mot.alignment import align_contexts, encode_contexts
+    from hf_mot.pipeline import fill_translated_cache, prefill_source, run_translator
 
     target, tok = tiny_model("gemma3", seed=1), char_tokenizer()  # sliding window 8, contexts of ~80 tokens
     source = tiny_model("llama", seed=5)
@@ -177,7 +179,7 @@ def test_sliding_layers_get_only_the_tokens_they_keep(native_tail):
                                             for blocks in (out.key_blocks, out.value_blocks))
         head = type(target_enc)(target_enc.input_ids[:, :-native_tail], target_enc.attention_mask[:, :-native_tail],
                                 target_enc.spans, target_enc.special)
-        every, _ = fill_translated_cache(out, target, head, "full")
+        every, _ = fill_translated_cache(out, target, head)
         every.attention_mask = target_enc.attention_mask
         with torch.no_grad():
             target.get_decoder()(input_ids=target_enc.input_ids[:, -native_tail:],
@@ -185,7 +187,7 @@ def test_sliding_layers_get_only_the_tokens_they_keep(native_tail):
                                  position_ids=target_enc.position_ids[:, -native_tail:], use_cache=True,
                                  **{cache_kwarg(target): every})
     else:
-        every, _ = fill_translated_cache(out, target, target_enc, "full")
+        every, _ = fill_translated_cache(out, target, target_enc)
     assert trimmed.layers[0].keys.shape[2] == 7 and trimmed.layers[1].keys.shape[2] == target_enc.input_ids.shape[1]
     for ours, reference in zip(trimmed.layers, every.layers, strict=True):
         assert ours.get_seq_length() == reference.get_seq_length() == target_enc.input_ids.shape[1]
@@ -223,7 +225,8 @@ def test_save_and_load_round_trip(tmp_path):
 def _one_context_for_the_translator(source, tok):
     """The first context encoded (one tokenizer on both sides), the source's position-free KV of it and the
     alignment: the inputs of a direct `MoTTranslator` call."""
-    from hf_mot.pipeline import align_contexts, encode_contexts, prefill_source
+    from hf_mot.alignment import align_contexts, encode_contexts
+    from hf_mot.pipeline import prefill_source
 
     encoded = encode_contexts(tok, [CONTEXTS[0]])
     source_kv = read_source_cache(prefill_source(source, encoded), source, encoded.attention_mask)
@@ -254,7 +257,7 @@ def test_added_paths_start_as_the_translator_they_extend(tmp_path):
     without = MoTTranslator(config).eval()
     without.save_pretrained(tmp_path)
     with_reader = MoTTranslator.from_pretrained(
-        tmp_path, target_embedding_size=target.config.hidden_size, depth_matched_layers=2, local_context_tokens=2
+        tmp_path, target_embedding_size=target.config.hidden_size, depth_matched_layers=2
     ).eval()
     reader = with_reader.key_mixture.target_tokens
     assert torch.equal(reader.proj_weight, torch.zeros_like(reader.proj_weight))
@@ -272,82 +275,23 @@ def test_added_paths_start_as_the_translator_they_extend(tmp_path):
     changed_again = _translate(with_reader, source, target, tok)
     assert torch.equal(changed_again.layers[0].values, changed.layers[0].values)  # its own weight per layer
     assert not torch.allclose(changed_again.layers[1].values, changed.layers[1].values)
-    mixer = with_reader.key_mixture.local_context
-    assert torch.equal(mixer.weight, torch.zeros_like(mixer.weight))
-    with torch.no_grad():
-        mixer.weight.normal_(std=0.1)
-    mixed = _translate(with_reader, source, target, tok)
-    assert not torch.allclose(mixed.layers[0].keys, changed_again.layers[0].keys)
-
-
-def test_layer_mlps_start_at_zero_and_change_only_their_layers(tmp_path):
-    """Layer MLPs (`layer_mlp_layers`) added to a trained translator start it exactly as it was; once they have
-    learned, only the layers that have one change, and they learn through the mixture's output."""
-    source, target, tok = tiny_model("llama"), tiny_model("gemma3"), char_tokenizer()
-    config = MoTConfig.from_models(source.config, target.config, hidden_size=16, depth_matched_layers=1)
-    torch.manual_seed(0)
-    plain = MoTTranslator(config).eval()
-    plain.save_pretrained(tmp_path)
-    with_mlp = MoTTranslator.from_pretrained(tmp_path, layer_mlp_layers=[1], layer_mlp_size=8).eval()
-    mlps = with_mlp.value_mixture.layer_mlps
-    assert mlps.weight_in.shape == (1, 16 + source.config.num_key_value_heads * 8, 8)  # shared + depth-matched
-    assert mlps.weight_in.abs().sum() > 0 and not mlps.weight_out.any()
-    before = _translates_alike(plain, with_mlp, source, target, tok)
-    with torch.no_grad():
-        mlps.weight_out.normal_()
-    changed = _translate(with_mlp, source, target, tok)
-    assert not torch.allclose(changed.layers[1].values, before.layers[1].values)
-    for layer in (0, 2):
-        assert torch.equal(changed.layers[layer].values, before.layers[layer].values)
-    assert torch.equal(changed.layers[1].keys, before.layers[1].keys)  # the key mixture has its own MLPs
-    with pytest.raises(ValueError, match="widen first"):
-        with_mlp.widened(hidden_size=24)
-    for bad in ([3], [1, 1]):
-        with pytest.raises(ValueError, match="layer_mlp_layers"):
-            MoTConfig.from_models(source.config, target.config, layer_mlp_layers=bad)
-    with pytest.raises(ValueError, match="layer_mlp_layers"):
-        MoTConfig.from_models(source.config, target.config, architecture="per_layer", layer_mlp_layers=[1])
-
-
-def test_local_token_mixer_is_causal_and_ignores_padding():
-    """A token reads only the tokens before it, and a left-padded row mixes as it would alone."""
-    from hf_mot.modeling_mot import LocalTokenMixer
-
-    torch.manual_seed(0)
-    mixer = LocalTokenMixer(3, 8)
-    with torch.no_grad():
-        mixer.weight.normal_()
-    hidden = torch.randn(1, 10, 8)
-    out = mixer(hidden, torch.ones(1, 10))
-    later_changed = hidden.clone()
-    later_changed[:, 6:] += 1.0
-    torch.testing.assert_close(mixer(later_changed, torch.ones(1, 10))[:, :6], out[:, :6])
-    assert not torch.allclose(mixer(later_changed, torch.ones(1, 10))[:, 6:], out[:, 6:])
-    padded = torch.cat([torch.randn(1, 4, 8) * 100, hidden], dim=1)  # garbage in the padding rows
-    real = torch.cat([torch.zeros(1, 4), torch.ones(1, 10)], dim=1)
-    torch.testing.assert_close(mixer(padded, real)[:, 4:], out)
-    torch.testing.assert_close(mixer(hidden[:, :1], torch.ones(1, 1)), hidden[:, :1])  # nothing before it
 
 
 def test_widened_translator_starts_as_the_one_it_widens():
-    """`MoTTranslator.widened` (`hf-mot train --init-from ... --hidden-size/--expert-hidden-size`) adds hidden
+    """`widen_translator` (`hf-mot train --init-from ... --hidden-size/--expert-hidden-size`) adds hidden
     dimensions and expert units: the wider translator must start as the narrow one, and the added parts must
     receive gradients (a block of zeros on both sides of a product would never learn)."""
     source, target, tok = tiny_model("llama"), tiny_model("gemma3"), char_tokenizer()
     config = MoTConfig.from_models(source.config, target.config, hidden_size=16, expert_hidden_size=8,
-                                   depth_matched_layers=1, local_context_tokens=2)
+                                   depth_matched_layers=1)
     torch.manual_seed(0)
     narrow = MoTTranslator(config).eval()
-    with torch.no_grad():  # trained-looking experts and mixer: a fresh one writes nothing or almost nothing
+    with torch.no_grad():  # trained-looking experts: fresh ones write nothing
         for mixture in (narrow.key_mixture, narrow.value_mixture):
             mixture.expert_out.normal_(std=0.3)
-            mixture.local_context.weight.normal_(std=0.03)
-    wide = narrow.widened(hidden_size=24, expert_hidden_size=12).eval()
+    wide = widen_translator(narrow, hidden_size=24, expert_hidden_size=12).eval()
     assert (wide.config.hidden_size, wide.config.expert_hidden_size) == (24, 12)
     assert wide.key_mixture.expert_in.shape == (config.num_experts, 24, 12)
-    mixer = wide.value_mixture.local_context.weight
-    assert torch.equal(mixer[:, :16, :16], narrow.value_mixture.local_context.weight)
-    assert not mixer[:, 16:].any() and not mixer[:, :, 16:].any()
     before, after = _translate(narrow, source, target, tok), _translate(wide, source, target, tok)
     for a, b in zip(before.layers, after.layers, strict=True):
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
@@ -364,11 +308,11 @@ def test_widened_translator_starts_as_the_one_it_widens():
     assert grad[16:].mean() > 0.1 * grad[:16].mean()
     assert mixture.expert_out.grad[:, 8:].abs().sum() > 0  # added expert units
     with pytest.raises(ValueError, match="widen"):
-        wide.widened(hidden_size=16)
+        widen_translator(wide, hidden_size=16)
 
 
 def test_depth_matched_source_layers():
-    from hf_mot.modeling_mot import depth_matched_source_layers
+    from hf_mot.kv import depth_matched_source_layers
 
     assert [depth_matched_source_layers(30, t, 18, 2) for t in (0, 9, 17)] == [[0, 1], [14, 15], [28, 29]]
     assert [depth_matched_source_layers(2, t, 3, 1) for t in range(3)] == [[0], [0], [1]]
@@ -391,7 +335,5 @@ def test_reading_target_tokens_needs_their_embeddings():
                               target_embedding_size=target.config.hidden_size)
     with pytest.raises(ValueError, match="depth_matched_layers"):
         MoTConfig.from_models(source.config, target.config, depth_matched_layers=source.config.num_hidden_layers + 1)
-    with pytest.raises(ValueError, match="local_context_tokens"):
-        MoTConfig.from_models(source.config, target.config, local_context_tokens=-1)
-    with pytest.raises(ValueError, match="local_context_tokens"):
-        MoTConfig.from_models(source.config, target.config, architecture="per_layer", local_context_tokens=2)
+    with pytest.raises(ValueError, match="depth_matched_layers"):
+        MoTConfig.from_models(source.config, target.config, depth_matched_layers=-1)

@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import CONTEXTS, char_tokenizer, tiny_model
 
+from hf_mot.alignment import encode_contexts
 from hf_mot.kv import KVLayout, apply_rope, finish_target_keys, read_source_cache, undo_rope
-from hf_mot.pipeline import encode_contexts, prefill_source
+from hf_mot.pipeline import prefill_source
 
 
 def _round_trip_error(model, tokenizer, contexts):

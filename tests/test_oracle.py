@@ -6,22 +6,20 @@ from conftest import CONTEXTS, char_tokenizer, identity_translator, native_and_t
 PROMPT = " Question: what is this about? Answer:"
 
 
-def _assert_oracle(model, tokenizer, mode, window):
-    options = {"injection_mode": mode}
-    if mode == "window":
-        options.update(injection_start=window[0], injection_layers=window[1])
-    translator = identity_translator(model, tokenizer, **options)
+def _assert_oracle(model, tokenizer, window=None):
+    """Exact tokens from the translated cache, or with `window` from the window-injection diagnostic's."""
+    translator = identity_translator(model, tokenizer)
     for context in CONTEXTS:
         native, translated = native_and_translated(
-            model, tokenizer, translator, context, PROMPT, max_new_tokens=32, do_sample=False
+            model, tokenizer, translator, context, PROMPT, window=window, max_new_tokens=32, do_sample=False
         )
         assert translated.tolist() == native.tolist(), context
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "gpt2", "opt"])
-@pytest.mark.parametrize("mode", ["full", "window"])
-def test_tiny_identity_oracle(family, mode):
-    _assert_oracle(tiny_model(family), char_tokenizer(), mode, window=(1, 1))
+@pytest.mark.parametrize("window", [None, (1, 1)])
+def test_tiny_identity_oracle(family, window):
+    _assert_oracle(tiny_model(family), char_tokenizer(), window)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -39,7 +37,7 @@ def test_identity_oracle_with_native_tail(family):
 
 @pytest.mark.real_models
 @pytest.mark.parametrize("model_fixture", ["smollm2", "gemma3"])
-@pytest.mark.parametrize("mode", ["full", "window"])
-def test_real_identity_oracle(model_fixture, mode, request):
+@pytest.mark.parametrize("window", [None, (2, 6)])
+def test_real_identity_oracle(model_fixture, window, request):
     model, tokenizer = request.getfixturevalue(model_fixture)
-    _assert_oracle(model, tokenizer, mode, window=(2, 6))
+    _assert_oracle(model, tokenizer, window)

@@ -93,12 +93,7 @@ def test_recompute_outside_the_dial_is_refused(recompute, error):
         MoTConfig.from_models(source.config, target.config, recompute=recompute)
 
 
-def test_recompute_with_native_tail_or_window_mode_is_refused():
+def test_recompute_with_native_tail_is_refused():
     source, target, translator = _pair()
     with pytest.raises(ValueError, match="pass one of them"):
         _translate(CONTEXTS[0], translator, source, target, recompute=0.2, native_tail=3)
-    model, tokenizer = tiny_model("llama"), char_tokenizer()
-    window = identity_translator(model, tokenizer, injection_mode="window", injection_start=0, injection_layers=1)
-    with pytest.raises(ValueError, match="injection_mode='full'"):
-        translate_context(CONTEXTS[0], translator=window, source_model=model, source_tokenizer=tokenizer,
-                          target_model=model, target_tokenizer=tokenizer, recompute=0.5)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import hf_mot
-from hf_mot.modeling_mot import shipped_translator_dir
+from hf_mot.hub import shipped_translator_dir
 
 REPO_ID = "hf-mot/smollm2-135m-to-gemma3-270m"
 REVERSE_ID = "hf-mot/gemma3-270m-to-smollm2-135m"
@@ -57,7 +57,7 @@ def test_beats_no_context_on_held_out_text(request, repo_id, pair, target_hub_id
     examples = heldout_examples(target_tok, lengths=(64,), per_length=6)
     rows = evaluate_fidelity(
         examples, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
-        target_tokenizer=target_tok, conditions={"full": {"injection_mode": "full"}}, progress=False,
+        target_tokenizer=target_tok, conditions={"full": {}}, progress=False,
     )
     summary = summarize(rows, ["full"])
     assert summary["full"]["nll"] < summary["nll_no_context"]

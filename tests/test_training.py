@@ -18,18 +18,15 @@ from safetensors.torch import load_file
 from hf_mot import MoTConfig, MoTTranslator
 from hf_mot.training import LossWeights, MoTDataCollator, MoTTrainer, MoTTrainingArguments, context_correction_loss
 from hf_mot.training.data import ContextContinuationDataset, cut_chunks, document_split
+from hf_mot.training.widen import widen_translator
 
 
-def _pair(mode="full", architecture="mixture", layer_mlps=False):
+def _pair(architecture="mixture"):
     source, target = tiny_model("llama", seed=1), tiny_model("gemma3", seed=2)
     source_tok, target_tok = char_tokenizer(), bpe_tokenizer()
-    options = {"injection_mode": mode, "architecture": architecture}
+    options = {"architecture": architecture}
     if architecture == "mixture":
-        options.update(depth_matched_layers=1, local_context_tokens=2)
-    if layer_mlps:  # off elsewhere: their init draws from the seeded generator and would move every later weight
-        options.update(layer_mlp_layers=[1], layer_mlp_size=8)
-    if mode == "window":
-        options.update(injection_start=1, injection_layers=1)
+        options.update(depth_matched_layers=1)
     config = MoTConfig.from_models(source.config, target.config, source_tokenizer=source_tok,
                                    target_tokenizer=target_tok, hidden_size=16, expert_hidden_size=16, **options)
     torch.manual_seed(0)
@@ -40,9 +37,8 @@ def _examples():
     return [{"context": c[:50], "continuation": c[50:]} for c in CONTEXTS[:4]]
 
 
-@pytest.mark.parametrize("mode", ["full", "window"])
-def test_every_term_is_finite_and_reaches_only_the_translator(mode):
-    translator, source, target, collate = _pair(mode, layer_mlps=True)
+def test_every_term_is_finite_and_reaches_only_the_translator():
+    translator, source, target, collate = _pair()
     batch = collate(_examples())
     weights = LossWeights()
     terms = ("nll", "kv", "kl", "balance", "hidden")
@@ -50,14 +46,13 @@ def test_every_term_is_finite_and_reaches_only_the_translator(mode):
         translator.zero_grad()
         # The trajectory term is off by default: it gets weight 1 here.
         only = LossWeights(**{name: ((getattr(weights, name) or 1.0) if name == term else 0.0) for name in terms})
-        parts = context_correction_loss(translator, source, target, batch, only, mode)
+        parts = context_correction_loss(translator, source, target, batch, only)
         value = getattr(parts, term)
         assert torch.isfinite(value) and value.item() > 0, term
         parts.total.backward()
         grads = [p.grad for p in translator.parameters() if p.grad is not None]
         assert grads and any(g.abs().sum() > 0 for g in grads), f"{term} has no gradient path to the translator"
-        paths = (translator.key_mixture.target_tokens.proj_weight, translator.value_mixture.depth_matched.weight,
-                 translator.key_mixture.local_context.weight, translator.value_mixture.layer_mlps.weight_out)
+        paths = (translator.key_mixture.target_tokens.proj_weight, translator.value_mixture.depth_matched.weight)
         for path in paths:
             if term != "balance":  # the router's loss does not depend on the output paths
                 assert path.grad is not None and path.grad.abs().sum() > 0, f"{term} does not reach {path.shape}"
@@ -70,13 +65,13 @@ def test_the_trajectory_term_is_zero_for_the_native_cache_and_off_by_default():
     batch = collate(_examples())
     hidden_only = LossWeights(nll=0.0, kv=0.0, kl=0.0, balance=0.0, hidden=1.0)
     with torch.no_grad():
-        native = context_correction_loss(oracle, model, model, batch, hidden_only, "full")
+        native = context_correction_loss(oracle, model, model, batch, hidden_only)
         assert native.hidden.item() == pytest.approx(0.0, abs=1e-6)
         assert native.total.item() == pytest.approx(0.0, abs=1e-6)
         translator, source, target, collate = _pair()
         batch = collate(_examples())
-        on = context_correction_loss(translator, source, target, batch, hidden_only, "full")
-        off = context_correction_loss(translator, source, target, batch, LossWeights(), "full")
+        on = context_correction_loss(translator, source, target, batch, hidden_only)
+        off = context_correction_loss(translator, source, target, batch, LossWeights())
     assert on.hidden.item() > 1e-3 and on.total.item() == pytest.approx(on.hidden.item())
     assert LossWeights().hidden == 0.0 and off.hidden.item() == 0.0
 
@@ -88,7 +83,7 @@ def test_kl_first_weight_counts_the_first_continuation_positions_more():
     def parts(examples, kl_first):
         with torch.no_grad():
             return context_correction_loss(translator, source, target, collate(examples),
-                                           LossWeights(**kl_only, kl_first=kl_first), "full")
+                                           LossWeights(**kl_only, kl_first=kl_first))
 
     plain, front = parts(_examples(), 1.0), parts(_examples(), 5.0)
     assert front.kl.item() == pytest.approx(plain.kl.item())  # the logged KL stays the plain mean
@@ -112,7 +107,7 @@ def test_question_nll_weight_scales_the_next_token_loss_of_question_pairs_only()
     def nll(batch_examples, question_nll):
         with torch.no_grad():
             return context_correction_loss(translator, source, target, collate(batch_examples),
-                                           LossWeights(**nll_only, question_nll=question_nll), "full").nll.item()
+                                           LossWeights(**nll_only, question_nll=question_nll)).nll.item()
 
     assert collate(examples)["question"].tolist() == [False, True, False, True]
     # Weight 1: the plain mean, as if no pair were a question pair.
@@ -126,7 +121,7 @@ def test_question_nll_weight_scales_the_next_token_loss_of_question_pairs_only()
     questions = [examples[1], examples[3]]
     with torch.no_grad():
         parts = context_correction_loss(translator, source, target, collate(questions),
-                                        LossWeights(question_nll=0.0), "full")
+                                        LossWeights(question_nll=0.0))
     assert parts.nll.item() == 0.0 and parts.kv.item() > 0 and parts.kl.item() > 0
     with pytest.raises(ValueError, match="0 \\(off\\) or more"):
         LossWeights(question_nll=-1.0)
@@ -140,7 +135,7 @@ def test_kv_full_attention_weight_weighs_the_full_attention_layers_in_the_kv_ter
     def kv(weight):
         with torch.no_grad():
             return context_correction_loss(translator, source, target, batch, LossWeights(
-                nll=0.0, kl=0.0, balance=0.0, kv_full_attention=weight), "full").kv.item()
+                nll=0.0, kl=0.0, balance=0.0, kv_full_attention=weight)).kv.item()
 
     # kv(w) = (S + w F) / (2 + w), with S the two sliding layers' errors summed and F the full layer's.
     sliding_sum = 2 * kv(0.0)
@@ -155,7 +150,7 @@ def test_kv_full_attention_weight_weighs_the_full_attention_layers_in_the_kv_ter
     plain = MoTTranslator(config)
     with torch.no_grad():
         terms = [context_correction_loss(plain, source, everywhere, batch, LossWeights(
-            nll=0.0, kl=0.0, balance=0.0, kv_full_attention=weight), "full").kv.item() for weight in (0.0, 1.0, 4.0)]
+            nll=0.0, kl=0.0, balance=0.0, kv_full_attention=weight)).kv.item() for weight in (0.0, 1.0, 4.0)]
     assert terms[0] > 0 and terms == pytest.approx([terms[1]] * 3)
     with pytest.raises(ValueError, match="0 \\(off\\) or more"):
         LossWeights(kv_full_attention=-1.0)
@@ -165,13 +160,13 @@ def test_kv_full_attention_weight_weighs_the_full_attention_layers_in_the_kv_ter
 def test_one_step_lowers_the_loss_on_a_fixed_batch(tmp_path, architecture):
     translator, source, target, collate = _pair(architecture=architecture)
     batch = collate(_examples())
-    before = context_correction_loss(translator, source, target, batch, LossWeights(), "full").total.item()
+    before = context_correction_loss(translator, source, target, batch, LossWeights()).total.item()
     args = MoTTrainingArguments(str(tmp_path), max_steps=1, learning_rate=3e-3, per_device_train_batch_size=4,
                                 use_cpu=True, save_strategy="no", logging_steps=1)
     trainer = MoTTrainer(model=translator, args=args, source_model=source, target_model=target,
                          train_dataset=_examples(), data_collator=collate)
     trainer.train()
-    after = context_correction_loss(translator, source, target, batch, LossWeights(), "full").total.item()
+    after = context_correction_loss(translator, source, target, batch, LossWeights()).total.item()
     assert after < before
     assert "kv" in trainer.state.log_history[0] and "kl" in trainer.state.log_history[0]
 
@@ -369,7 +364,7 @@ def test_init_from_widens_a_mixture_only_and_interpolates_back(tiny_dirs, tmp_pa
     # seed) and mixes: alpha 0 is that start, 1 the run, 0.5 halfway.
     interpolate = [sys.executable, str(Path(__file__).parents[1] / "scripts" / "interpolate_translator.py"),
                    "--start", str(tmp_path / "narrow"), "--run", str(tmp_path / "wide")]
-    start = MoTTranslator.from_pretrained(tmp_path / "narrow").widened(24, 16, seed=0).state_dict()
+    start = widen_translator(MoTTranslator.from_pretrained(tmp_path / "narrow"), 24, 16, seed=0).state_dict()
     run = MoTTranslator.from_pretrained(tmp_path / "wide").state_dict()
     for alpha in ("0", "0.5", "1"):
         mixed = _run(interpolate + ["--alpha", alpha, "--output-dir", str(tmp_path / f"mix{alpha}")])
@@ -409,26 +404,23 @@ def test_fresh_learning_rate_trains_only_the_added_paths_when_the_rest_is_frozen
     """`--init-from` with added paths and `--fresh-learning-rate`: the added parameters get a group of their own.
     With `--learning-rate 0` only they may move; the loaded weights stay exactly as they were."""
     script = [sys.executable, "-m", "hf_mot.training.train"]
-    first = _run(script + _script_args(tiny_dirs, tmp_path / "base", 1, save_steps=1))
+    first = _run(script + _script_args(tiny_dirs, tmp_path / "base", 1, save_steps=1)
+                 + ["--no-target-tokens", "--depth-matched-layers", "0"])
     assert first.returncode == 0, first.stderr[-3000:]
     args = _script_args(tiny_dirs, tmp_path / "added", 2, save_steps=2)
     args[args.index("--max-train-chunks") + 1] = "8"
-    added = _run(script + args + ["--init-from", str(tmp_path / "base"), "--local-context-tokens", "2",
-                                  "--layer-mlp-layers", "1", "--layer-mlp-size", "8",
+    added = _run(script + args + ["--init-from", str(tmp_path / "base"), "--depth-matched-layers", "1",
                                   "--learning-rate", "0", "--fresh-learning-rate", "1e-2"])
     assert added.returncode == 0, added.stderr[-3000:]
     before, after = (load_file(tmp_path / run / "model.safetensors") for run in ("base", "added"))
-    mlps = {f"{mixture}.layer_mlps.{name}" for mixture in ("key_mixture", "value_mixture")
-            for name in ("weight_in", "bias_in", "weight_out", "bias_out")}
-    mixers = {"key_mixture.local_context.weight", "value_mixture.local_context.weight"}
-    assert set(after) - set(before) == mixers | mlps
+    paths = {f"{mixture}.{name}" for mixture in ("key_mixture", "value_mixture")
+             for name in ("depth_matched.weight", "depth_matched.bias", "target_tokens.norm_weight",
+                          "target_tokens.norm_bias", "target_tokens.proj_weight", "target_tokens.proj_bias")}
+    assert set(after) - set(before) == paths
     for name in before:
         assert torch.equal(before[name], after[name]), name
-    for name in set(after) - set(before):
-        assert after[name].abs().sum() > 0, f"{name} did not learn"
-    other = _run(script + _script_args(tiny_dirs, tmp_path / "other", 1)
-                 + ["--init-from", str(tmp_path / "added"), "--layer-mlp-layers", "0"])
-    assert other.returncode == 2 and "has layer MLPs for layers [1], not [0]" in other.stderr
+    for name in ("depth_matched.weight", "target_tokens.proj_weight"):  # both start at zero
+        assert after[f"value_mixture.{name}"].abs().sum() > 0, f"{name} did not learn"
     scratch = _run(script + _script_args(tiny_dirs, tmp_path / "scratch", 1) + ["--fresh-learning-rate", "1e-2"])
     assert scratch.returncode == 2 and "--init-from" in scratch.stderr
 

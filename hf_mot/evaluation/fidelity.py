@@ -115,7 +115,7 @@ def evaluate_fidelity(
     """Score every example natively, without context, and under each translated condition.
 
     Args:
-        conditions: name -> keyword arguments of `translate_context` (e.g. `{"injection_mode": "full"}`); a
+        conditions: name -> keyword arguments of `translate_context` (e.g. `{"recompute": 0.1}`); a
             `"translator"` entry overrides `translator` (see `qa.translated_conditions`).
         tail_only: if > 0, also score condition `"tail_only"`: the target reads only the last `tail_only`
             context tokens, no translation. It is the floor a `native_tail` of that length has to beat, so that

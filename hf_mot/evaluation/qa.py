@@ -17,8 +17,10 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from .._compat import cache_kwarg
+from ..alignment import encode_contexts
 from ..modeling_mot import MoTTranslator
-from ..pipeline import encode_contexts, prefill_source, read_into_cache, translate_context
+from ..pipeline import prefill_source, read_into_cache, translate_context
+from .injection import translate_with_window
 from .metrics import choice_correct, exact_match, token_f1
 from .tasks import QAExample
 
@@ -93,13 +95,15 @@ def translated_conditions(
     The source reads the context once (in the settings translation is for, it already has its cache); each
     condition translates that same cache, and `seconds` is the translation alone. `conditions` maps a name to
     keyword arguments of `translate_context`; a `"translator"` entry overrides `translator`, so several
-    translators share one pass.
+    translators share one pass. A `"window": (start, count)` entry builds the window-injection diagnostic
+    instead (`hf_mot.evaluation.injection`).
     """
     source_cache = prefill_source(source_model, encode_contexts(source_tokenizer, [context]))
     for name, options in conditions.items():
         options = dict(options)
         start = time.perf_counter()
-        cache = translate_context(
+        build = translate_with_window if "window" in options else translate_context
+        cache = build(
             context, translator=options.pop("translator", translator), source_model=source_model,
             source_tokenizer=source_tokenizer, target_model=target_model, target_tokenizer=target_tokenizer,
             source_cache=source_cache, **options,
@@ -123,7 +127,7 @@ def evaluate_qa(
     """Answer every example with no context, natively, and under each translated condition.
 
     Args:
-        conditions: name -> keyword arguments of `translate_context` (e.g. `{"injection_mode": "full"}`), as
+        conditions: name -> keyword arguments of `translate_context` (e.g. `{"recompute": 0.1}`), as
             for `translated_conditions`.
 
     Returns:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling_mot import write_json_atomically, write_text_atomically
+from ..files import write_json_atomically, write_text_atomically
 from ..plotting import pyplot
 from .fidelity import evaluate_fidelity, heldout_examples, summarize
 from .qa import evaluate_qa, summarize_qa
@@ -62,7 +62,7 @@ def run_evaluation(
     tasks: tuple[str, ...] = TASKS,
     limit: int = 50,
     lengths: tuple[int, ...] = (512, 1024, 2048, 4096),
-    window: tuple[int, int] | None = (0, 6),
+    recompute: tuple[float, ...] = (),
     native_tail: int = 0,
     seed: int = 0,
     progress: bool = True,
@@ -70,8 +70,8 @@ def run_evaluation(
     """Run `tasks` and return their per-example rows and summaries.
 
     `limit` caps the examples of each QA task (and documents of `reuse`, pairs per length of `fidelity`);
-    `lengths` are the long-context lengths in target tokens; `window` `(start, count)` adds a `window`-mode
-    condition injecting those translated layers (None: `full` mode only); `native_tail` k > 0 adds a
+    `lengths` are the long-context lengths in target tokens. Condition `full` is pure translation (every layer
+    translated, `recompute=0`); each `r` in `recompute` adds a condition `recompute={r}`; `native_tail` k > 0 adds a
     `full+tail{k}` condition in which the target reads the last k context tokens itself (the multi-agent reuse
     task keeps to its three ways).
     """
@@ -80,11 +80,10 @@ def run_evaluation(
         raise ValueError(f"Unknown tasks {sorted(unknown)}; choose from {TASKS}.")
     models = dict(translator=translator, source_model=source_model, source_tokenizer=source_tokenizer,
                   target_model=target_model, target_tokenizer=target_tokenizer, progress=progress)
-    conditions = {"full": {"injection_mode": "full"}}
-    if window is not None:
-        conditions["window"] = {"injection_mode": "window", "injection_window": tuple(window)}
+    conditions = {"full": {"recompute": 0.0}}
+    conditions.update({f"recompute={r:g}": {"recompute": r} for r in recompute})
     if native_tail:
-        conditions[f"full+tail{native_tail}"] = {"injection_mode": "full", "native_tail": native_tail}
+        conditions[f"full+tail{native_tail}"] = {"native_tail": native_tail}
     results = {}
     for task in tasks:
         if task == "reuse":
@@ -116,7 +115,8 @@ def run_evaluation(
                 for length in lengths
             }
         results[task] = {"rows": rows, "summary": summary}
-    return {"conditions": list(conditions), "window": window, "native_tail": native_tail, "results": results}
+    return {"conditions": list(conditions), "recompute": list(recompute), "native_tail": native_tail,
+            "results": results}
 
 
 def markdown_report(report: dict) -> str:

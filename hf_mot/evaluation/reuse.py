@@ -20,8 +20,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .._compat import cache_kwarg
+from ..alignment import encode_contexts
 from ..modeling_mot import MoTTranslator
-from ..pipeline import encode_contexts, prefill_source, translate_context
+from ..pipeline import prefill_source, translate_context
 from .cost import PeakRSS
 from .qa import answer, native_cache
 from .tasks import QAExample

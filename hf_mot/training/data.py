@@ -10,9 +10,9 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from ..alignment import align_contexts, encode_contexts
 from ..data import training_documents
 from ..kv import tokenizer_fingerprint
-from ..pipeline import align_contexts, encode_contexts
 
 
 def document_split(text: str, validation_percent: int) -> str:

@@ -22,9 +22,10 @@ from torch.nn import functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from .._compat import cache_kwarg
+from ..alignment import EncodedContext
 from ..kv import KVLayout, positions_from_mask, read_source_cache
 from ..modeling_mot import MoTTranslator
-from ..pipeline import EncodedContext, fill_translated_cache, read_into_cache, run_translator
+from ..pipeline import fill_translated_cache, read_into_cache, run_translator
 
 
 @dataclass
@@ -134,15 +135,13 @@ def context_correction_loss(
     target_model: PreTrainedModel,
     batch: dict,
     weights: LossWeights,
-    injection_mode: str,
 ) -> LossParts:
     """All loss terms for one batch from `MoTDataCollator`.
 
-    `translator` may be wrapped (DDP), so the injection mode comes as an argument. The next-token loss covers
+    `translator` may be wrapped (DDP). The next-token loss covers
     continuation tokens 2..n: the first continuation token is predicted from the last context position, which
     the translated cache does not run (a prompt after it does, at generation time).
     """
-    mode = injection_mode
     # Only the translator learns: the models are frozen here, whoever calls this.
     source_model.requires_grad_(False)
     target_model.requires_grad_(False)
@@ -163,9 +162,7 @@ def context_correction_loss(
         translator, source, batch["alignment"], target_model, batch["target_input_ids"], target_mask
     )
     target = EncodedContext(batch["target_input_ids"], target_mask, spans=[], special=[])
-    cache, context_kv = fill_translated_cache(out, target_model, target, mode)
-    # From the injection point up: what the target attends to, translated or computed on top of the translation.
-    translated_kv = {i: kv for i, kv in context_kv.items() if i >= out.layers[0]}
+    cache, translated_kv = fill_translated_cache(out, target_model, target)
 
     zero = out.aux_loss.new_zeros(())
     layers = sorted(translated_kv)

@@ -21,11 +21,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..configuration_mot import MoTConfig
-from ..modeling_mot import MoTTranslator, write_json_atomically
+from ..files import write_json_atomically
+from ..modeling_mot import MoTTranslator
 from ..models import load_model
 from .data import ContextContinuationDataset, MoTDataCollator
 from .losses import LossWeights
 from .trainer import MoTTrainer, MoTTrainingArguments
+from .widen import widen_translator
 
 
 class TimeBudget(TrainerCallback):
@@ -74,30 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         "its own (0: off; with --init-from: added, starting at zero, to a translator that lacks it)",
     )
     translator.add_argument(
-        "--local-context-tokens", type=int, default=0,
-        help="previous target tokens whose representations each token also reads, through a causal linear mixer "
-        "(0: off; with --init-from: added, starting at zero, to a translator that lacks it)",
-    )
-    translator.add_argument(
-        "--layer-mlp-layers", type=int, nargs="+", default=[], metavar="LAYER",
-        help="target layers that each get an MLP of their own in each mixture, e.g. 5 11 17 for Gemma-3-270M's "
-        "full-attention layers (with --init-from: added, its output starting at zero)",
-    )
-    translator.add_argument("--layer-mlp-size", type=int, default=512, help="inner width of each layer MLP")
-    translator.add_argument(
         "--fresh-learning-rate", type=float, default=None,
         help="with --init-from: learning rate of the paths this run adds at zero (target-token reader, "
-        "depth-matched path, local mixer, layer MLPs), so they catch up while the loaded weights move at "
+        "depth-matched path), so they catch up while the loaded weights move at "
         "--learning-rate (default: --learning-rate for all)",
     )
     translator.add_argument(
         "--train-only", nargs="+", default=None, metavar="NAME",
-        help="train only the translator parameters whose names contain one of these (e.g. layer_mlps; the names "
+        help="train only the translator parameters whose names contain one of these (e.g. depth_matched; the names "
         "of the keys in model.safetensors); the rest stays frozen",
     )
-    translator.add_argument("--injection-mode", choices=["full", "window"], default="full")
-    translator.add_argument("--injection-start", type=int, default=0)
-    translator.add_argument("--injection-layers", type=int, default=None)
     data = parser.add_argument_group("data")
     data.add_argument("--context-words", type=int, nargs=2, default=[48, 256], metavar=("MIN", "MAX"))
     data.add_argument("--continuation-words", type=int, default=24)
@@ -159,8 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The config field of each path `--init-from` can add, and the KVMixture attribute that holds it.
-ADDED_MODULES = {"target_embedding_size": "target_tokens", "depth_matched_layers": "depth_matched",
-                 "local_context_tokens": "local_context", "layer_mlp_layers": "layer_mlps"}
+ADDED_MODULES = {"target_embedding_size": "target_tokens", "depth_matched_layers": "depth_matched"}
 
 RECORD = "train_command.json"
 # Written by scripts/interpolate_translator.py instead of RECORD: the translator is a weighted mean of a run and
@@ -205,18 +192,8 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
                 added["target_embedding_size"] = target.config.get_text_config(decoder=True).hidden_size
             if args.depth_matched_layers and not config.depth_matched_layers:
                 added["depth_matched_layers"] = args.depth_matched_layers
-            if args.local_context_tokens and not config.local_context_tokens:
-                added["local_context_tokens"] = args.local_context_tokens
-            if args.layer_mlp_layers and not config.layer_mlp_layers:
-                added["layer_mlp_layers"] = args.layer_mlp_layers
-                added["layer_mlp_size"] = args.layer_mlp_size
-            elif args.layer_mlp_layers and sorted(args.layer_mlp_layers) != config.layer_mlp_layers:
-                parser.error(f"{args.init_from} has layer MLPs for layers {config.layer_mlp_layers}, not "
-                             f"{sorted(args.layer_mlp_layers)}: leave out --layer-mlp-layers to train them on.")
         if added:
-            # The added paths start at zero: the new translator starts as the loaded one. The seed fixes the random
-            # input weights of added layer MLPs, so the run's start can be rebuilt from its record.
-            torch.manual_seed(args.seed)
+            # The added paths start at zero: the new translator starts as the loaded one.
             translator = MoTTranslator.from_pretrained(args.init_from, **added)
             fresh = [name for name, _ in translator.named_parameters()
                      if any(f".{ADDED_MODULES[field]}." in name for field in added if field in ADDED_MODULES)]
@@ -227,8 +204,8 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
                              f"{args.init_from}: a loaded translator can be widened, not narrowed.")
         if any(size is not None and size > getattr(config, name) for name, size in sizes.items()):
             try:
-                translator = translator.widened(**sizes, seed=args.seed)
-            except ValueError as error:  # widened() says what cannot be widened; the CLI says how to go on
+                translator = widen_translator(translator, **sizes, seed=args.seed)
+            except ValueError as error:  # widen_translator() says what cannot be widened; the CLI says how to go on
                 parser.error(f"{args.init_from}: {error} Leave out --hidden-size/--expert-hidden-size.")
         # The loaded card states how the starting translator was trained and what it measured, not this run:
         # checkpoints get a card rendered from the config instead (ship_translator.py reads the start's own).
@@ -238,12 +215,9 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok,
             hidden_size=args.hidden_size or 256, expert_hidden_size=args.expert_hidden_size or 512,
             num_experts=args.num_experts,
-            num_experts_per_token=args.num_experts_per_token, injection_mode=args.injection_mode,
+            num_experts_per_token=args.num_experts_per_token,
             architecture=args.architecture, target_tokens=args.target_tokens,
             depth_matched_layers=args.depth_matched_layers if args.architecture == "mixture" else 0,
-            local_context_tokens=args.local_context_tokens if args.architecture == "mixture" else 0,
-            layer_mlp_layers=args.layer_mlp_layers, layer_mlp_size=args.layer_mlp_size,
-            injection_start=args.injection_start, injection_layers=args.injection_layers,
         )
         torch.manual_seed(args.seed)
         translator = MoTTranslator(config)
@@ -268,7 +242,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         save_total_limit=args.keep_checkpoints or None,
         logging_steps=args.logging_steps, seed=args.seed, data_seed=args.seed, bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-        injection_mode=args.injection_mode, fresh_learning_rate=args.fresh_learning_rate, **loss_weights,
+        fresh_learning_rate=args.fresh_learning_rate, **loss_weights,
     )
     trainer = MoTTrainer(
         model=translator, args=training_args, source_model=source, target_model=target,

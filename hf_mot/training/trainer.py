@@ -23,7 +23,7 @@ class MoTTrainingArguments(TrainingArguments):
         nll_weight (`float`, *optional*, defaults to 1.0): next-token loss on the continuation given the
             translated cache.
         kv_weight (`float`, *optional*, defaults to 1.0): Context Correction Loss, per-layer relative KV error
-            against the target's native cache from the injection point up.
+            against the target's native cache.
         kl_weight (`float`, *optional*, defaults to 1.0): Context Correction Loss, KL from the native next-token
             distributions at the continuation positions.
         kl_first_weight (`float`, *optional*, defaults to 1.0): how many times the KL at the first continuation
@@ -35,7 +35,6 @@ class MoTTrainingArguments(TrainingArguments):
         balance_weight (`float`, *optional*, defaults to 0.01): router load-balancing term.
         hidden_weight (`float`, *optional*, defaults to 0.0): Context Correction Loss on the trajectory, the
             distance of the target's per-layer hidden states at the continuation positions from native (off).
-        injection_mode (`str`, *optional*): train for `"full"` or `"window"` mode (defaults to the config's).
         fresh_learning_rate (`float`, *optional*): learning rate of the trainer's `fresh_parameters` (paths
             added at zero to a trained translator); the others keep `learning_rate`.
 
@@ -58,7 +57,6 @@ class MoTTrainingArguments(TrainingArguments):
     hidden_weight: float = field(
         default=0.0, metadata={"help": "weight of the per-layer hidden-state term at the continuation positions"}
     )
-    injection_mode: str | None = field(default=None, metadata={"help": "full or window (default: config)"})
     fresh_learning_rate: float | None = field(
         default=None, metadata={"help": "learning rate of the fresh parameters (default: learning_rate)"}
     )
@@ -185,13 +183,11 @@ class MoTTrainer(Trainer):
         return optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # `model` may be wrapped (DDP); the config is read from the unwrapped translator.
-        mode = self.args.injection_mode or self.model.config.injection_mode
         # `bf16` autocasts the translator's forward only (accelerate wraps it); the frozen models run here, and
         # they are most of the cost.
         with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.args.bf16):
             parts = context_correction_loss(
-                model, self.source_model, self.target_model, inputs, self.args.loss_weights, mode
+                model, self.source_model, self.target_model, inputs, self.args.loss_weights
             )
         self._loss_parts.append(parts.detached())
         return (parts.total, {"loss": parts.total}) if return_outputs else parts.total
