@@ -7,6 +7,7 @@ from .cache import TranslatedCache
 from .configuration_mot import MoTConfig
 from .modeling_mot import MoTOutput, MoTTranslator
 from .models import load_model
+from .pair import MoTPair
 from .pipeline import translate_context
 
 __version__ = "0.2.0"
@@ -21,6 +22,7 @@ MoTTranslator.register_for_auto_class("AutoModel")
 __all__ = [
     "MoTConfig",
     "MoTOutput",
+    "MoTPair",
     "MoTTranslator",
     "TokenAlignment",
     "TranslatedCache",

@@ -123,8 +123,7 @@ def first_token_states(
     Under causal attention the first token sees only itself, at position 0: its states are the same whatever
     follows, so the target computes them exactly by reading that one token. It is usually BOS, which most heads
     use as an attention sink, so an error there moves every later token's attention; and it has no source
-    token to be translated from. On 200 held-out pairs (64-512 tokens) this alone, with no retraining, lifted a
-    translator trained without it from 77.4% to 81.2% of the NLL gap closed in full mode.
+    token to be translated from.
     """
     real = attention_mask.bool()
     first = real.long().argmax(dim=1)  # left padding: the first real column of each row

@@ -1,5 +1,6 @@
 """Package a trained translator as a shipped default: weights and config into `hf_mot/pretrained/NAME/`, with a
-model card rendered from the training run and the LM-fidelity results, also copied to `model_cards/NAME.md`.
+model card rendered from the training run and the LM-fidelity results (the one copy of the card: the Hub gets it
+from there).
 The weights are stored in float16; `MoTTranslator.from_pretrained` loads them as float32 by default.
 
 Usage:
@@ -210,8 +211,6 @@ def main() -> None:
         if destination.exists():
             shutil.rmtree(destination)
         staged.rename(destination)
-    (ROOT / "model_cards").mkdir(exist_ok=True)
-    shutil.copyfile(destination / "README.md", ROOT / "model_cards" / f"{name}.md")
     print(f"shipped {args.repo_id} -> {destination} ({size_mb:.1f} MB, {parameters / 1e6:.1f}M parameters)")
 
 

@@ -45,7 +45,8 @@ def test_every_term_is_finite_and_reaches_only_the_translator():
     for term in terms:
         translator.zero_grad()
         # The trajectory term is off by default: it gets weight 1 here.
-        only = LossWeights(**{name: ((getattr(weights, name) or 1.0) if name == term else 0.0) for name in terms})
+        only = LossWeights(**{f"{name}_weight": ((getattr(weights, f"{name}_weight") or 1.0) if name == term else 0.0)
+                              for name in terms})
         parts = context_correction_loss(translator, source, target, batch, only)
         value = getattr(parts, term)
         assert torch.isfinite(value) and value.item() > 0, term
@@ -63,7 +64,7 @@ def test_the_trajectory_term_is_zero_for_the_native_cache_and_off_by_default():
     model, collate = tiny_model("gemma3", seed=2), MoTDataCollator(bpe_tokenizer(), bpe_tokenizer())
     oracle = MoTTranslator(MoTConfig.from_models(model.config, model.config, init="identity"))
     batch = collate(_examples())
-    hidden_only = LossWeights(nll=0.0, kv=0.0, kl=0.0, balance=0.0, hidden=1.0)
+    hidden_only = LossWeights(nll_weight=0.0, kv_weight=0.0, kl_weight=0.0, balance_weight=0.0, hidden_weight=1.0)
     with torch.no_grad():
         native = context_correction_loss(oracle, model, model, batch, hidden_only)
         assert native.hidden.item() == pytest.approx(0.0, abs=1e-6)
@@ -73,17 +74,17 @@ def test_the_trajectory_term_is_zero_for_the_native_cache_and_off_by_default():
         on = context_correction_loss(translator, source, target, batch, hidden_only)
         off = context_correction_loss(translator, source, target, batch, LossWeights())
     assert on.hidden.item() > 1e-3 and on.total.item() == pytest.approx(on.hidden.item())
-    assert LossWeights().hidden == 0.0 and off.hidden.item() == 0.0
+    assert LossWeights().hidden_weight == 0.0 and off.hidden.item() == 0.0
 
 
 def test_kl_first_weight_counts_the_first_continuation_positions_more():
     translator, source, target, collate = _pair()
-    kl_only = {"nll": 0.0, "kv": 0.0, "balance": 0.0}
+    kl_only = {"nll_weight": 0.0, "kv_weight": 0.0, "balance_weight": 0.0}
 
     def parts(examples, kl_first):
         with torch.no_grad():
             return context_correction_loss(translator, source, target, collate(examples),
-                                           LossWeights(**kl_only, kl_first=kl_first))
+                                           LossWeights(**kl_only, kl_first_weight=kl_first))
 
     plain, front = parts(_examples(), 1.0), parts(_examples(), 5.0)
     assert front.kl.item() == pytest.approx(plain.kl.item())  # the logged KL stays the plain mean
@@ -95,19 +96,19 @@ def test_kl_first_weight_counts_the_first_continuation_positions_more():
     one = parts(single, 5.0)
     assert one.total.item() == pytest.approx(5 * one.kl.item(), rel=1e-5)
     with pytest.raises(ValueError, match="0 \\(off\\) or more"):
-        LossWeights(kl_first=-1.0)
+        LossWeights(kl_first_weight=-1.0)
 
 
 def test_question_nll_weight_scales_the_next_token_loss_of_question_pairs_only():
     translator, source, target, collate = _pair()
     examples = _examples()
     examples[1], examples[3] = {**examples[1], "question": True}, {**examples[3], "question": True}
-    nll_only = {"kv": 0.0, "kl": 0.0, "balance": 0.0}
+    nll_only = {"kv_weight": 0.0, "kl_weight": 0.0, "balance_weight": 0.0}
 
     def nll(batch_examples, question_nll):
         with torch.no_grad():
             return context_correction_loss(translator, source, target, collate(batch_examples),
-                                           LossWeights(**nll_only, question_nll=question_nll)).nll.item()
+                                           LossWeights(**nll_only, question_nll_weight=question_nll)).nll.item()
 
     assert collate(examples)["question"].tolist() == [False, True, False, True]
     # Weight 1: the plain mean, as if no pair were a question pair.
@@ -121,10 +122,10 @@ def test_question_nll_weight_scales_the_next_token_loss_of_question_pairs_only()
     questions = [examples[1], examples[3]]
     with torch.no_grad():
         parts = context_correction_loss(translator, source, target, collate(questions),
-                                        LossWeights(question_nll=0.0))
+                                        LossWeights(question_nll_weight=0.0))
     assert parts.nll.item() == 0.0 and parts.kv.item() > 0 and parts.kl.item() > 0
     with pytest.raises(ValueError, match="0 \\(off\\) or more"):
-        LossWeights(question_nll=-1.0)
+        LossWeights(question_nll_weight=-1.0)
 
 
 def test_kv_full_attention_weight_weighs_the_full_attention_layers_in_the_kv_term():
@@ -135,7 +136,7 @@ def test_kv_full_attention_weight_weighs_the_full_attention_layers_in_the_kv_ter
     def kv(weight):
         with torch.no_grad():
             return context_correction_loss(translator, source, target, batch, LossWeights(
-                nll=0.0, kl=0.0, balance=0.0, kv_full_attention=weight)).kv.item()
+                nll_weight=0.0, kl_weight=0.0, balance_weight=0.0, kv_full_attention_weight=weight)).kv.item()
 
     # kv(w) = (S + w F) / (2 + w), with S the two sliding layers' errors summed and F the full layer's.
     sliding_sum = 2 * kv(0.0)
@@ -150,10 +151,11 @@ def test_kv_full_attention_weight_weighs_the_full_attention_layers_in_the_kv_ter
     plain = MoTTranslator(config)
     with torch.no_grad():
         terms = [context_correction_loss(plain, source, everywhere, batch, LossWeights(
-            nll=0.0, kl=0.0, balance=0.0, kv_full_attention=weight)).kv.item() for weight in (0.0, 1.0, 4.0)]
+            nll_weight=0.0, kl_weight=0.0, balance_weight=0.0, kv_full_attention_weight=weight)).kv.item()
+            for weight in (0.0, 1.0, 4.0)]
     assert terms[0] > 0 and terms == pytest.approx([terms[1]] * 3)
     with pytest.raises(ValueError, match="0 \\(off\\) or more"):
-        LossWeights(kv_full_attention=-1.0)
+        LossWeights(kv_full_attention_weight=-1.0)
 
 
 @pytest.mark.parametrize("architecture", ["mixture", "per_layer"])
@@ -460,3 +462,48 @@ def test_accelerate_two_processes(tiny_dirs, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "ddp" / "model.safetensors").is_file()
     assert "'train_loss'" in result.stdout + result.stderr or (tmp_path / "ddp" / "checkpoint-2").is_dir()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--output-dir", None], "--output-dir is required"),
+        (["--context-words", "4"], "--context-words takes MIN MAX"),
+        (["--context-words", "9", "4"], "--context-words takes MIN MAX"),
+        (["--gradient-accumulation-steps", "0"], "`gradient_accumulation_steps` must be 1 or more"),
+        (["--kv-weight", "-1"], "Loss weights must be 0 (off) or more"),
+        (["--time-budget-minutes", "0"], "`time_budget_minutes` must be more than 0"),
+        (["--fresh-learning-rate", "1e-3"], "--fresh-learning-rate is for the paths added to an --init-from"),
+        (["--architecture", "moe"], "invalid choice"),
+    ],
+)
+def test_train_usage_errors_name_the_option(tmp_path, capsys, extra, message):
+    """`hf-mot train` refuses bad options with a usage error (exit 2) that names them, before loading any model."""
+    from hf_mot.training.train import build_parser, parse
+
+    argv = ["--source", "a", "--target", "b", "--output-dir", str(tmp_path / "out")]
+    if extra[1:] == [None]:
+        argv = argv[:4]
+    else:
+        argv += extra
+    with pytest.raises(SystemExit) as exit_info:
+        parse(build_parser(), argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_options_are_declared_once():
+    """Every loss weight and run option `hf-mot train` takes comes from one dataclass field: the CLI's defaults are
+    the dataclasses' (or `TRAIN_DEFAULTS`), and the old spellings still parse."""
+    from hf_mot.training.train import TRAIN_DEFAULTS, build_parser, parse
+
+    model_args, data_args, training_args = parse(build_parser(), [
+        "--source", "a", "--target", "b", "--output-dir", "x", "--batch-size", "3", "--keep-checkpoints", "0",
+        "--no-resume", "--kl-first-weight", "4", "--context-words", "8", "16",
+    ])
+    assert training_args.per_device_train_batch_size == 3 and training_args.save_total_limit == 0
+    assert training_args.kl_first_weight == 4 and training_args.kv_weight == LossWeights().kv_weight
+    assert not model_args.resume and data_args.context_words == [8, 16]
+    assert training_args.learning_rate == TRAIN_DEFAULTS["learning_rate"]
+    assert training_args.lr_scheduler_type == "cosine"

@@ -15,7 +15,7 @@ side runs under `torch.no_grad()`, and the translated side only lets gradients f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch.nn import functional as F
@@ -30,33 +30,30 @@ from ..pipeline import fill_translated_cache, read_into_cache, run_translator
 
 @dataclass
 class LossWeights:
-    """Weight of each term; 0 switches a term off (for ablations).
+    """The weight of each loss term; 0 switches a term off (for ablations). `MoTTrainingArguments` inherits these
+    fields, so `hf-mot train` takes each as `--NAME` with the help below."""
 
-    `kl_first` shapes the KL term over the continuation: its first position counts `kl_first` times, and the
-    excess halves at each later position (1: every position counts once). Last-state shift sits there: the
-    first positions read the translated last context state most directly.
-
-    `question_nll` scales the next-token loss on question pairs (`as_question_pair`) against the other pairs
-    (0: question pairs train through the KV and KL terms only). Their answers come from the data, where the
-    native target may answer otherwise; the KL term pulls toward the native target's own answer.
-
-    `kv_full_attention` weighs the KV error of the target's full-attention layers against its sliding-window
-    layers inside the KV term, which stays a weighted mean (1: every layer alike; no effect on a target without
-    sliding-window layers). On long contexts only the full-attention layers reach past the window, and on
-    Gemma-3-270M their 3 layers carry 40% of the translated cache's KL (`benchmarks/layer_attribution.py`).
-    """
-
-    nll: float = 1.0
-    kv: float = 1.0
-    kl: float = 1.0
-    balance: float = 0.01
-    kl_first: float = 1.0
-    question_nll: float = 1.0
-    kv_full_attention: float = 1.0
-    hidden: float = 0.0
+    nll_weight: float = field(default=1.0, metadata={"help": "weight of the next-token loss on the continuation"})
+    kv_weight: float = field(default=1.0, metadata={
+        "help": "weight of the Context Correction Loss's per-layer relative KV error against the native cache"})
+    kl_weight: float = field(default=1.0, metadata={
+        "help": "weight of the KL from the native next-token distributions at the continuation positions"})
+    balance_weight: float = field(default=0.01, metadata={"help": "weight of the router load-balancing term"})
+    kl_first_weight: float = field(default=1.0, metadata={
+        "help": "the KL at the first continuation position counts this many times, the excess halving at each "
+        "later position: more weight where last-state shift bends the first generated tokens (1: uniform)"})
+    question_nll_weight: float = field(default=1.0, metadata={
+        "help": "the next-token loss on question pairs counts this much against the other pairs (0: they train "
+        "through the KV and KL terms only, toward the native target's answer rather than the data's)"})
+    kv_full_attention_weight: float = field(default=1.0, metadata={
+        "help": "inside the KV term, the target's full-attention layers count this much against its "
+        "sliding-window layers: only they reach past the window on long contexts (1: every layer alike)"})
+    hidden_weight: float = field(default=0.0, metadata={
+        "help": "the target's per-layer hidden states at the continuation positions, RMS-normalised, against "
+        "native: counts the cache's error where the continuation reads it (0: off)"})
 
     def __post_init__(self):
-        negative = {name: value for name, value in vars(self).items() if value < 0}
+        negative = {f.name: getattr(self, f.name) for f in fields(LossWeights) if getattr(self, f.name) < 0}
         if negative:
             raise ValueError(f"Loss weights must be 0 (off) or more, got {negative}.")
 
@@ -154,8 +151,8 @@ def context_correction_loss(
         source = read_source_cache(source_cache, source_model, source_mask, positions_from_mask(source_mask))
         native_cache, native_kv = native_context_kv(target_model, batch)
         native_out = (
-            _continue(target_model, native_cache, target_mask, batch, hidden_states=bool(weights.hidden))
-            if weights.kl or weights.hidden else None
+            _continue(target_model, native_cache, target_mask, batch, hidden_states=bool(weights.hidden_weight))
+            if weights.kl_weight or weights.hidden_weight else None
         )
 
     out = run_translator(
@@ -170,30 +167,31 @@ def context_correction_loss(
     layer_types = KVLayout.from_config(target_model.config).layer_types
     full = [not layer_types or layer_types[i] == "full_attention" for i in layers]
     # Only a mix of layer types has anything to weigh (and a weight of 0 must not zero the whole term).
-    layer_weights = [weights.kv_full_attention if f else 1.0 for f in full] if not all(full) else [1.0] * len(full)
+    full_weight = weights.kv_full_attention_weight
+    layer_weights = [full_weight if f else 1.0 for f in full] if not all(full) else [1.0] * len(full)
     kv = (
         _relative_kv_error([translated_kv[i] for i in layers], [native_kv[i] for i in layers], target_mask,
                            layer_weights)
-        if weights.kv
+        if weights.kv_weight
         else zero
     )
     continued = (
-        _continue(target_model, cache, target_mask, batch, hidden_states=bool(weights.hidden))
-        if weights.nll or weights.kl or weights.hidden else None
+        _continue(target_model, cache, target_mask, batch, hidden_states=bool(weights.hidden_weight))
+        if weights.nll_weight or weights.kl_weight or weights.hidden_weight else None
     )
     logits = continued.logits if continued is not None else None
     continuation_mask = batch["continuation_mask"][:, 1:].bool()
     nll = zero
-    if weights.nll:
+    if weights.nll_weight:
         labels = batch["continuation_ids"][:, 1:][continuation_mask]
         per_token = F.cross_entropy(logits[:, :-1][continuation_mask].float(), labels, reduction="none")
         # A weighted mean: at `question_nll` 1 the plain mean; at 0 the mean over the other pairs only.
         question = batch.get("question", torch.zeros(len(continuation_mask), dtype=torch.bool))
-        row_weight = torch.where(question.to(per_token.device), weights.question_nll, 1.0)
+        row_weight = torch.where(question.to(per_token.device), weights.question_nll_weight, 1.0)
         token_weight = row_weight[:, None].expand_as(continuation_mask)[continuation_mask]
         nll = (token_weight * per_token).sum() / token_weight.sum().clamp_min(1e-6)
     kl = weighted_kl = zero
-    if weights.kl:
+    if weights.kl_weight:
         every = batch["continuation_mask"].bool()
         native_logp = native_out.logits[every].float().log_softmax(-1)
         per_token = F.kl_div(
@@ -202,12 +200,12 @@ def context_correction_loss(
         position = torch.arange(every.shape[1], device=every.device).expand_as(every)[every]
         # The logged KL stays the plain mean over tokens, comparable across runs whatever `kl_first` is.
         kl = per_token.mean()
-        weighted_kl = ((1 + (weights.kl_first - 1) * 0.5 ** position.float()) * per_token).mean()
+        weighted_kl = ((1 + (weights.kl_first_weight - 1) * 0.5 ** position.float()) * per_token).mean()
     hidden = (
         _trajectory_error(continued.hidden_states, native_out.hidden_states, batch["continuation_mask"])
-        if weights.hidden
+        if weights.hidden_weight
         else zero
     )
-    total = (weights.nll * nll + weights.kv * kv + weights.kl * weighted_kl + weights.balance * out.aux_loss
-             + weights.hidden * hidden)
+    total = (weights.nll_weight * nll + weights.kv_weight * kv + weights.kl_weight * weighted_kl
+             + weights.balance_weight * out.aux_loss + weights.hidden_weight * hidden)
     return LossParts(total=total, nll=nll, kv=kv, kl=kl, balance=out.aux_loss, hidden=hidden)

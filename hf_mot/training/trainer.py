@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -15,66 +16,65 @@ from .losses import LossWeights, context_correction_loss
 
 
 @dataclass
-class MoTTrainingArguments(TrainingArguments):
+class MoTTrainingArguments(LossWeights, TrainingArguments):
     r"""
-    [`~transformers.TrainingArguments`] plus the weights of the loss terms.
+    [`~transformers.TrainingArguments`] plus the weights of the loss terms ([`LossWeights`]: `nll_weight`,
+    `kv_weight`, `kl_weight`, `balance_weight`, `kl_first_weight`, `question_nll_weight`,
+    `kv_full_attention_weight`, `hidden_weight`; 0 switches a term off) and:
 
     Args:
-        nll_weight (`float`, *optional*, defaults to 1.0): next-token loss on the continuation given the
-            translated cache.
-        kv_weight (`float`, *optional*, defaults to 1.0): Context Correction Loss, per-layer relative KV error
-            against the target's native cache.
-        kl_weight (`float`, *optional*, defaults to 1.0): Context Correction Loss, KL from the native next-token
-            distributions at the continuation positions.
-        kl_first_weight (`float`, *optional*, defaults to 1.0): how many times the KL at the first continuation
-            position counts, the excess halving at each later position (last-state shift; 1: uniform).
-        question_nll_weight (`float`, *optional*, defaults to 1.0): the next-token loss on question pairs,
-            relative to the other pairs (0: question pairs train through the KV and KL terms only).
-        kv_full_attention_weight (`float`, *optional*, defaults to 1.0): inside the KV term, the weight of the
-            target's full-attention layers against its sliding-window layers (1: every layer alike).
-        balance_weight (`float`, *optional*, defaults to 0.01): router load-balancing term.
-        hidden_weight (`float`, *optional*, defaults to 0.0): Context Correction Loss on the trajectory, the
-            distance of the target's per-layer hidden states at the continuation positions from native (off).
         fresh_learning_rate (`float`, *optional*): learning rate of the trainer's `fresh_parameters` (paths
             added at zero to a trained translator); the others keep `learning_rate`.
-
-    A weight of 0 switches its term off (ablations).
+        time_budget_minutes (`float`, *optional*): stop, saving a checkpoint, once training has run this long.
     """
 
-    nll_weight: float = field(default=1.0, metadata={"help": "weight of the next-token loss"})
-    kv_weight: float = field(default=1.0, metadata={"help": "weight of the per-layer KV correction term"})
-    kl_weight: float = field(default=1.0, metadata={"help": "weight of the next-token distribution term"})
-    kl_first_weight: float = field(
-        default=1.0, metadata={"help": "times the KL at the first continuation position counts (halving excess)"}
-    )
-    question_nll_weight: float = field(
-        default=1.0, metadata={"help": "weight of the next-token loss on question pairs, relative to the others"}
-    )
-    kv_full_attention_weight: float = field(
-        default=1.0, metadata={"help": "weight of full-attention layers against sliding-window ones in the KV term"}
-    )
-    balance_weight: float = field(default=0.01, metadata={"help": "weight of the router load-balancing term"})
-    hidden_weight: float = field(
-        default=0.0, metadata={"help": "weight of the per-layer hidden-state term at the continuation positions"}
-    )
     fresh_learning_rate: float | None = field(
-        default=None, metadata={"help": "learning rate of the fresh parameters (default: learning_rate)"}
+        default=None, metadata={"help": "learning rate of the paths added at zero to an --init-from translator "
+                                        "(default: --learning-rate)"}
+    )
+    time_budget_minutes: float | None = field(
+        default=None, metadata={"help": "stop and save a checkpoint once training has run this long"}
+    )
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "pairs per forward pass (per process)", "aliases": ["--batch-size"]}
+    )
+    save_total_limit: int | None = field(
+        default=None, metadata={"help": "newest checkpoints kept (0 or unset: every one, e.g. to pick one on a "
+                                        "downstream task later)", "aliases": ["--keep-checkpoints"]}
     )
     # The batches carry an alignment object and columns the translator's forward does not name.
     remove_unused_columns: bool = field(default=False)
     # Experts the router did not pick in a step get no gradient; DDP must know that.
     ddp_find_unused_parameters: bool | None = field(default=True)
-    report_to: str | list[str] | None = field(default="none")
+    report_to: None | str | list[str] = field(default="none")
 
     def __post_init__(self):
-        super().__post_init__()
-        self.loss_weights  # noqa: B018 (validates the weights now, not at the first step)
+        # Both bases check their own fields (the loss weights come after `TrainingArguments`' in the field order,
+        # so `MoTTrainingArguments("out_dir")` still means `output_dir`).
+        TrainingArguments.__post_init__(self)
+        LossWeights.__post_init__(self)
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(
+                f"`gradient_accumulation_steps` must be 1 or more, got {self.gradient_accumulation_steps}."
+            )
+        if self.time_budget_minutes is not None and self.time_budget_minutes <= 0:
+            raise ValueError(f"`time_budget_minutes` must be more than 0, got {self.time_budget_minutes}.")
 
-    @property
-    def loss_weights(self) -> LossWeights:
-        return LossWeights(nll=self.nll_weight, kv=self.kv_weight, kl=self.kl_weight, balance=self.balance_weight,
-                           kl_first=self.kl_first_weight, question_nll=self.question_nll_weight,
-                           kv_full_attention=self.kv_full_attention_weight, hidden=self.hidden_weight)
+
+class TimeBudget(TrainerCallback):
+    """Stop (saving a checkpoint) once a wall-clock budget is spent."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60
+        self.start = time.monotonic()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()  # the budget is for training, not for loading models and data
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.monotonic() - self.start > self.seconds:
+            control.should_training_stop = True
+            control.should_save = True
 
 
 class LossCurveCallback(TrainerCallback):
@@ -159,6 +159,8 @@ class MoTTrainer(Trainer):
         self.source_model = source_model.requires_grad_(False).eval().to(self.args.device)
         self.target_model = target_model.requires_grad_(False).eval().to(self.args.device)
         self.add_callback(LossCurveCallback())
+        if self.args.time_budget_minutes is not None:
+            self.add_callback(TimeBudget(self.args.time_budget_minutes))
         self._loss_parts: list[dict[str, float]] = []
         names = dict(self.model.named_parameters())
         unknown = sorted(set(fresh_parameters or ()) - set(names))
@@ -187,7 +189,7 @@ class MoTTrainer(Trainer):
         # they are most of the cost.
         with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.args.bf16):
             parts = context_correction_loss(
-                model, self.source_model, self.target_model, inputs, self.args.loss_weights
+                model, self.source_model, self.target_model, inputs, self.args
             )
         self._loss_parts.append(parts.detached())
         return (parts.total, {"loss": parts.total}) if return_outputs else parts.total
