@@ -9,7 +9,8 @@ from transformers import initialization as init
 
 from .alignment import TokenAlignment
 from .configuration_mot import MoTConfig
-from .kv import KVLayout, depth_matched_source_layers
+from .kv import KVLayout
+from .mixture import depth_matched_source_layers
 
 
 class PerLayerProjector(nn.Module):

@@ -30,53 +30,34 @@ DEFAULT_SOURCE, DEFAULT_TARGET = "smollm2-135m", "gemma3-270m"
 def _load_pair(args: argparse.Namespace):
     """The source, target and translator named on the command line (the shipped default if none is named), and
     the translator's name. A translator named without --source/--target brings the models it was built for."""
-    from . import MoTConfig, MoTTranslator, load_model
+    from . import MoTConfig, MoTPair, MoTTranslator, load_model
     from .hub import DEFAULT_TRANSLATORS
 
-    translator, recorded = None, set()
-    if args.translator not in (None, UNTRAINED):
-        translator = MoTTranslator.from_pretrained(args.translator)
-        for side in ("source", "target"):
-            if getattr(args, side) is None:
-                name = getattr(translator.config, f"{side}_layout").name_or_path
-                if not name:
-                    raise ValueError(
-                        f"{args.translator} does not record its {side} model: pass --{side} NAME_OR_PATH."
-                    )
-                setattr(args, side, name)
-                recorded.add(side)
-    args.source = args.source or DEFAULT_SOURCE
-    args.target = args.target or DEFAULT_TARGET
-    name = args.translator or DEFAULT_TRANSLATORS.get((args.source, args.target))
+    name = args.translator
+    if name in (None, UNTRAINED):
+        args.source, args.target = args.source or DEFAULT_SOURCE, args.target or DEFAULT_TARGET
     if name is None:
-        raise ValueError(
-            f"No translator ships for {args.source} -> {args.target}: pass --translator PATH_OR_REPO (train one "
-            f"with `hf-mot train`), or --translator {UNTRAINED} to see the mechanics with a random one."
-        )
-    print(f"Loading source {args.source}, target {args.target} and translator {name} ...", file=sys.stderr)
-    loaded = []
-    for side in ("source", "target"):
-        try:
-            loaded.extend(load_model(getattr(args, side)))
-        except Exception as error:
-            if side not in recorded:
-                raise
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        name = DEFAULT_TRANSLATORS.get((args.source, args.target))
+        if name is None:
             raise ValueError(
-                f"{args.translator} was built for {side} {getattr(args, side)!r} (from its config), which does not "
-                f"load here ({first_line}): pass --{side} NAME_OR_PATH."
-            ) from error
-    source, source_tok, target, target_tok = loaded
+                f"No translator ships for {args.source} -> {args.target}: pass --translator PATH_OR_REPO (train one "
+                f"with `hf-mot train`), or --translator {UNTRAINED} to see the mechanics with a random one."
+            )
     if name == UNTRAINED:
+        print(f"Loading source {args.source} and target {args.target} ...", file=sys.stderr)
+        (source, source_tok), (target, target_tok) = load_model(args.source), load_model(args.target)
         print("warning: a randomly initialised translator shows the mechanics, not the quality.", file=sys.stderr)
         config = MoTConfig.from_models(
             source.config, target.config, source_tokenizer=source_tok, target_tokenizer=target_tok
         )
-        translator = MoTTranslator(config)
-    elif translator is None:
-        translator = MoTTranslator.from_pretrained(name)
-    translator.check_pair(source, target, source_tok, target_tok)
-    return source, source_tok, target, target_tok, translator.eval(), name
+        return source, source_tok, target, target_tok, MoTTranslator(config).eval(), name
+    translator = MoTTranslator.from_pretrained(name)
+    recorded = translator.config.source_layout.name_or_path, translator.config.target_layout.name_or_path
+    print(f"Loading source {args.source or recorded[0]}, target {args.target or recorded[1]} and translator {name} "
+          "...", file=sys.stderr)
+    pair = MoTPair.from_pretrained(translator, source=args.source, target=args.target)
+    return (pair.source_model, pair.source_tokenizer, pair.target_model, pair.target_tokenizer, pair.translator,
+            name)
 
 
 def _generate(args: argparse.Namespace) -> None:

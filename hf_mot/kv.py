@@ -393,10 +393,3 @@ def finish_target_keys(
     if cos_sin is not None:
         keys = apply_rope(keys, *cos_sin)
     return cast(keys, dtype)
-
-
-def depth_matched_source_layers(source_layers: int, target_layer: int, target_layers: int, count: int) -> list[int]:
-    """The `count` consecutive source layers around the relative depth of `target_layer`."""
-    centre = round(target_layer * (source_layers - 1) / max(target_layers - 1, 1))
-    first = min(max(centre - count // 2, 0), source_layers - count)
-    return list(range(first, first + count))

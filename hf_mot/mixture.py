@@ -10,7 +10,7 @@ from transformers import initialization as init
 
 from .alignment import TokenAlignment
 from .configuration_mot import MoTConfig
-from .kv import KVLayout, cast, depth_matched_source_layers, layer_index
+from .kv import KVLayout, cast, layer_index
 
 
 class TargetTokenReader(nn.Module):
@@ -37,6 +37,13 @@ class TargetTokenReader(nn.Module):
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         normed = F.layer_norm(embeddings, self.norm_weight.shape, self.norm_weight, self.norm_bias)
         return F.linear(normed, self.proj_weight, self.proj_bias)
+
+
+def depth_matched_source_layers(source_layers: int, target_layer: int, target_layers: int, count: int) -> list[int]:
+    """The `count` consecutive source layers around the relative depth of `target_layer`."""
+    centre = round(target_layer * (source_layers - 1) / max(target_layers - 1, 1))
+    first = min(max(centre - count // 2, 0), source_layers - count)
+    return list(range(first, first + count))
 
 
 class DepthMatchedPath(nn.Module):

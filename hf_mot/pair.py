@@ -71,7 +71,7 @@ class MoTPair:
         loaded, or `None` (the default): the model the translator's config records. `dtype` is the models'
         dtype; other keyword arguments go to `MoTTranslator.from_pretrained`.
         """
-        name = translator if isinstance(translator, str) else getattr(translator, "name_or_path", "the translator")
+        name = str(translator) if not isinstance(translator, MoTTranslator) else translator.name_or_path
         if not isinstance(translator, MoTTranslator):
             translator = MoTTranslator.from_pretrained(translator, **kwargs)
         loaded = {}
@@ -80,14 +80,15 @@ class MoTPair:
             if given is None:
                 recorded = getattr(translator.config, f"{side}_layout").name_or_path
                 if not recorded:
-                    raise ValueError(f"{name} does not record its {side} model: pass `{side}=NAME_OR_PATH`.")
+                    raise ValueError(f"{name} does not record its {side} model: pass `{side}=NAME_OR_PATH` "
+                                     f"(`--{side}` on the command line).")
                 try:
                     given = load_model(recorded, dtype=dtype)
                 except Exception as error:
                     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                     raise ValueError(
                         f"{name} was built for {side} {recorded!r} (from its config), which does not load here "
-                        f"({first_line}): pass `{side}=NAME_OR_PATH`."
+                        f"({first_line}): pass `{side}=NAME_OR_PATH` (`--{side}` on the command line)."
                     ) from error
             loaded[side] = given
         return cls(translator, *loaded["source"], *loaded["target"])

@@ -76,7 +76,7 @@ def test_a_translator_brings_the_models_it_was_built_for(dirs):
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert "built for source 'tiny-llama' (from its config), which does not load here" in last
-    assert last.endswith("pass --source NAME_OR_PATH.")
+    assert last.endswith("pass `source=NAME_OR_PATH` (`--source` on the command line).")
 
 
 def test_info_names_the_pair(dirs):

@@ -312,7 +312,7 @@ def test_widened_translator_starts_as_the_one_it_widens():
 
 
 def test_depth_matched_source_layers():
-    from hf_mot.kv import depth_matched_source_layers
+    from hf_mot.mixture import depth_matched_source_layers
 
     assert [depth_matched_source_layers(30, t, 18, 2) for t in (0, 9, 17)] == [[0, 1], [14, 15], [28, 29]]
     assert [depth_matched_source_layers(2, t, 3, 1) for t in range(3)] == [[0], [0], [1]]
