@@ -1,0 +1,264 @@
+"""The speed/quality dial: QA retention against speed-up over the target's own prefill, one run, with its control.
+
+For every context, side by side:
+
+- `native`: the target reads the context itself (the re-read, 1x, 100% by definition);
+- `recompute=r` for each `--budgets` r: `translate_context(..., recompute=r)` from the source's cache, which is
+  read once per context and given (the shared-document case translation is for);
+- `control r`: the target reads only the `floor(r * tokens)` tokens the dial would have it recompute, and no
+  translation; at r = 0 that is no context at all. A dial setting is worth its translation only above this line;
+- `no_context`: the floor.
+
+Retention is a condition's mean score over the native mean score, with a 95% bootstrap interval from
+resampling contexts (paired: the same resample for both means). Speed-up is the native prefill's time over the
+condition's time to give the target its context (median over contexts, bootstrap interval), with the source
+cache given, and also counting the source's own prefill. Times include tokenizing and aligning; answers are
+greedy and not timed.
+
+Tasks: `synthetic` (extractive QA over made-up people, one question per document), `needle` (a made-up fact at
+10/50/90% depth of a Wikipedia article cut to each `--needle-lengths`), `quac` (first questions of QuAC
+dialogues) and `reuse` (multi-agent reuse: a document read once, 8 questions answered from copies of its cache;
+the speed-up counts the one build). None of these texts is in the training corpus.
+
+Usage:
+    python benchmarks/quality_dial.py --examples 60 --needles 20 --reuse-documents 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from hf_mot import MoTTranslator, load_model, translate_context
+from hf_mot.alignment import encode_contexts
+from hf_mot.evaluation.qa import answer, native_cache
+from hf_mot.evaluation.report import machine_info
+from hf_mot.evaluation.tasks import (
+    QAExample,
+    long_context_examples,
+    quac_examples,
+    synthetic_document,
+    synthetic_qa_examples,
+)
+from hf_mot.files import write_json_atomically
+from hf_mot.pipeline import prefill_source, read_into_cache
+from hf_mot.plotting import pyplot
+
+
+def _items(args, target_tok) -> list[tuple[str, str, list[QAExample]]]:
+    """`(task, context, questions)`: one question per context, except in `reuse`."""
+    items = [("synthetic", e.context, [e]) for e in synthetic_qa_examples(args.examples, args.seed + 1)]
+    per_cell = -(-args.needles // 3)  # three depths per length
+    for e in long_context_examples(target_tok, tuple(args.needle_lengths), per_cell=per_cell, seed=args.seed + 2):
+        items.append((f"needle {e.meta['length']}", e.context, [e]))
+    items += [("quac", e.context, [e]) for e in quac_examples(args.examples, args.seed + 3)]
+    rng = random.Random(args.seed + 4)
+    for _ in range(args.reuse_documents):
+        document, qa = synthetic_document(rng)
+        questions = [QAExample("reuse", document, q, answers=[a]) for q, a in rng.sample(qa, min(8, len(qa)))]
+        items.append(("reuse", document, questions))
+    return items
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def _answers(questions, target, target_tok, cache, mask) -> list[float]:
+    # Each question gets its own copy: generation extends the cache it is given.
+    return [answer(q, target, target_tok, copy.deepcopy(cache) if len(questions) > 1 else cache, mask)["score"]
+            for q in questions]
+
+
+@torch.no_grad()
+def measure(item, budgets, translator, source, source_tok, target, target_tok) -> dict:
+    task, context, questions = item
+    row = {"task": task, "questions": [q.question for q in questions]}
+    target_enc = encode_contexts(target_tok, [context])
+    tokens = target_enc.input_ids.shape[1]
+    row["context_tokens"] = tokens
+    (cache, mask), row["native_seconds"] = _timed(lambda: native_cache(target, target_tok, context))
+    row["native"] = _answers(questions, target, target_tok, cache, mask)
+    row["no_context"] = [answer(q, target, target_tok)["score"] for q in questions]
+    source_enc = encode_contexts(source_tok, [context])
+    source_cache, row["source_seconds"] = _timed(lambda: prefill_source(source, source_enc))
+    for r in budgets:
+        cache, seconds = _timed(lambda r=r: translate_context(
+            context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
+            target_tokenizer=target_tok, source_cache=source_cache, recompute=r))
+        row[f"recompute={r:g}"] = {"scores": _answers(questions, target, target_tok, cache, cache.attention_mask),
+                                   "seconds": seconds, "native_tokens": cache.native_tokens}
+        tail = int(r * tokens)
+        if tail:
+            # The control reads what the dial recomputes, after the BOS the target always starts from.
+            def read_tail(tail=tail):
+                ids = target_enc.input_ids[:, -tail:]
+                if target_tok.bos_token_id is not None and tail < tokens:
+                    ids = torch.cat([torch.tensor([[target_tok.bos_token_id]]), ids], dim=1)
+                control = DynamicCache(config=target.config)
+                read_into_cache(target, control, ids, torch.ones_like(ids))
+                return control, torch.ones_like(ids)
+
+            (control, control_mask), seconds = _timed(read_tail)
+            row[f"control {r:g}"] = {"scores": _answers(questions, target, target_tok, control, control_mask),
+                                     "seconds": seconds}
+    return row
+
+
+def _bootstrap(values_fn, n: int, resamples: int, seed: int) -> tuple[float, float]:
+    rng = random.Random(seed)
+    stats = sorted(values_fn([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
+    return stats[int(0.025 * resamples)], stats[int(0.975 * resamples) - 1]
+
+
+def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000) -> dict:
+    """Per task (and all tasks pooled): per condition mean score, retention and speed-ups, with intervals."""
+    tasks = sorted({r["task"] for r in rows}) + ["all"]
+    out = {}
+    for task in tasks:
+        chosen = [r for r in rows if task in ("all", r["task"])]
+        native = [statistics.fmean(r["native"]) for r in chosen]
+
+        def condition(name, chosen=chosen, native=native):
+            scores = [statistics.fmean(r[name]["scores"] if isinstance(r[name], dict) else r[name]) for r in chosen]
+
+            def retention(idx):
+                base = sum(native[i] for i in idx)
+                return sum(scores[i] for i in idx) / base if base else float("nan")
+
+            entry = {"score": statistics.fmean(scores), "retention": retention(range(len(chosen))),
+                     "retention_interval": _bootstrap(retention, len(chosen), resamples, 0)}
+            if isinstance(chosen[0][name], dict):
+                for label, extra in (("speedup", "zero"), ("speedup_with_source", "source")):
+                    ratios = [r["native_seconds"] / (r[name]["seconds"] + (r["source_seconds"] if extra == "source"
+                                                                            else 0.0)) for r in chosen]
+                    entry[label] = statistics.median(ratios)
+                    entry[f"{label}_interval"] = _bootstrap(
+                        lambda idx, ratios=ratios: statistics.median(ratios[i] for i in idx), len(ratios),
+                        resamples, 1)
+            return entry
+
+        names = ["no_context"] + [f"recompute={r:g}" for r in budgets]
+        names += [f"control {r:g}" for r in budgets if all(f"control {r:g}" in row for row in chosen)]
+        out[task] = {"contexts": len(chosen), "questions": sum(len(r["native"]) for r in chosen),
+                     "context_tokens": statistics.median(r["context_tokens"] for r in chosen),
+                     "native_score": statistics.fmean(native),
+                     "native_seconds": statistics.median(r["native_seconds"] for r in chosen),
+                     **{name: condition(name) for name in names}}
+    return out
+
+
+def table(summary: dict, budgets: list[float]) -> str:
+    lines = ["| task | contexts | tokens | native score | setting | score | retention [95% CI] | speed-up [95% CI] "
+             "| with source prefill |", "|---|---|---|---|---|---|---|---|---|"]
+    for task, s in summary.items():
+        head = f"| {task} | {s['contexts']} | {s['context_tokens']:.0f} | {s['native_score']:.3f} "
+        for name in ["no_context"] + [f"{kind}{r:g}" for r in budgets for kind in ("recompute=", "control ")]:
+            if name not in s:
+                continue
+            e = s[name]
+            low, high = e["retention_interval"]
+            speed = (f"{e['speedup']:.1f}x [{e['speedup_interval'][0]:.1f}, {e['speedup_interval'][1]:.1f}] | "
+                     f"{e['speedup_with_source']:.1f}x" if "speedup" in e else "- | -")
+            lines.append(f"{head}| {name} | {e['score']:.3f} | {100 * e['retention']:.0f}% [{100 * low:.0f}, "
+                         f"{100 * high:.0f}] | {speed} |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, budgets: list[float], path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
+    from matplotlib.ticker import ScalarFormatter
+
+    tasks = list(summary)
+    columns = min(4, len(tasks))
+    rows = -(-len(tasks) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.8 * columns, 3.6 * rows), sharey=True, squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+        ax.set_visible(False)
+    for ax, task in zip(axes.flat, tasks, strict=False):
+        s = summary[task]
+        for kind, style in (("recompute=", "o-"), ("control ", "s--")):
+            points = [(s[f"{kind}{r:g}"], r) for r in budgets if f"{kind}{r:g}" in s]
+            if kind == "control " and "no_context" in s:
+                points = [(s["no_context"] | {"speedup": float("nan")}, 0.0)] + points
+            points = [(e, r) for e, r in points if e.get("speedup") == e.get("speedup")]
+            if not points:
+                continue
+            xs = [e["speedup"] for e, _ in points]
+            ys = [100 * e["retention"] for e, _ in points]
+            errors = [[100 * (e["retention"] - e["retention_interval"][0]) for e, _ in points],
+                      [100 * (e["retention_interval"][1] - e["retention"]) for e, _ in points]]
+            ax.errorbar(xs, ys, yerr=errors, fmt=style, capsize=2,
+                        label="translate + recompute" if kind == "recompute=" else "control: recompute only")
+            for x, y, (_, r) in zip(xs, ys, points, strict=True):
+                ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        ax.plot([1.0], [100.0], "k*", markersize=10, label="native (re-read)")
+        ax.axhline(100 * s["no_context"]["retention"], color="grey", linewidth=0.8, linestyle=":", label="no context")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(ScalarFormatter())
+        ax.tick_params(axis="x", which="minor", labelsize=7)
+        ax.set(title=f"{task} ({s['contexts']} contexts)", xlabel="speed-up over the target's prefill")
+    for row in axes:
+        row[0].set_ylabel("QA retention of native (%)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", default="smollm2-135m")
+    parser.add_argument("--target", default="gemma3-270m")
+    parser.add_argument("--translator", default="hf-mot/smollm2-135m-to-gemma3-270m")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0, 0.05, 0.1, 0.2, 0.3, 0.5],
+                        help="dial settings r in [0, 1)")
+    parser.add_argument("--examples", type=int, default=60, help="synthetic and QuAC contexts each")
+    parser.add_argument("--needles", type=int, default=21, help="needle contexts per length (a multiple of 3)")
+    parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--reuse-documents", type=int, default=4, help="documents of 8 questions each")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/quality_dial.json"))
+    args = parser.parse_args()
+    if any(not 0 <= r < 1 for r in args.budgets):
+        parser.error(f"--budgets must lie in [0, 1): 1 is the native point, always measured; got {args.budgets}.")
+
+    source, source_tok = load_model(args.source)
+    target, target_tok = load_model(args.target)
+    translator = MoTTranslator.from_pretrained(args.translator).eval()
+    items = _items(args, target_tok)
+    # Once untimed first: the first calls pay one-off costs (kernel selection, allocations, the first-token cache).
+    measure(items[0], args.budgets, translator, source, source_tok, target, target_tok)
+    rows = []
+    for item in tqdm(items, desc="contexts"):
+        rows.append(measure(item, args.budgets, translator, source, source_tok, target, target_tok))
+    summary = summarize(rows, args.budgets)
+    text = table(summary, args.budgets)
+    print(text)
+    report = {
+        "command": "python " + " ".join(sys.argv), "machine": machine_info(),
+        "models": {"source": args.source, "target": args.target, "translator": args.translator},
+        "budgets": args.budgets, "summary": summary, "table": text, "rows": rows,
+    }
+    write_json_atomically(args.output, report)
+    figure = plot(summary, args.budgets, args.output.with_suffix(".png"))
+    print(f"wrote {args.output}" + (f" and {figure}" if figure else ""))
+
+
+if __name__ == "__main__":
+    main()
