@@ -336,6 +336,9 @@ def read_source_cache(
                 f"`source_cache` holds {k.shape[-2]} tokens but the source context has {tokens}: the cache must "
                 "come from exactly this context, with nothing generated after it."
             )
+        if not k.dtype.is_floating_point:
+            raise TypeError(f"`source_cache` holds {k.dtype} tensors; a floating point cache is needed: pass the "
+                            "cache that `source_model` produced.")
         if k.dtype != model.dtype:
             raise TypeError(
                 f"`source_cache` holds {k.dtype} tensors but `source_model` runs in {model.dtype}: pass the cache "

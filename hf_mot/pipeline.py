@@ -15,6 +15,7 @@ from .kv import (
     KVLayout,
     SourceKV,
     cast,
+    decoder_layers,
     finish_target_keys,
     layer_index,
     read_source_cache,
@@ -43,7 +44,7 @@ def prefill_source(model: PreTrainedModel, encoded: EncodedContext) -> Cache:
     return returned_cache(outputs)
 
 
-def _check_devices_and_dtypes(translator: MoTTranslator, source: SourceKV, target_model: PreTrainedModel) -> None:
+def _check_devices(translator: MoTTranslator, source: SourceKV, target_model: PreTrainedModel) -> None:
     key = source.keys
     for name, device in (("translator", translator.device), ("target_model", target_model.device)):
         if device != key.device:
@@ -51,8 +52,6 @@ def _check_devices_and_dtypes(translator: MoTTranslator, source: SourceKV, targe
                 f"`{name}` is on {device} but the source cache is on {key.device}: move both models and the "
                 f"translator to one device (`.to('{key.device}')`)."
             )
-    if not key.dtype.is_floating_point:
-        raise TypeError(f"The source cache holds {key.dtype} tensors; a floating point cache is needed.")
 
 
 def run_translator(
@@ -168,7 +167,7 @@ def build_translated_cache(
     those `k` itself on top of it (see `translate_context`).
     """
     _check_native_tail(native_tail, target.input_ids.shape[1])
-    _check_devices_and_dtypes(translator, source, target_model)
+    _check_devices(translator, source, target_model)
     target_layout = KVLayout.from_config(target_model.config)
     last_tokens = _tokens_kept(target_layout, target.input_ids.shape[1], native_tail)
     translated = run_translator(
@@ -332,15 +331,18 @@ def translate_context(
     """
     contexts = check_contexts(context)
     translator.check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
+    for model in (source_model, target_model):
+        decoder_layers(model)  # a model that is not a supported decoder is named here, before any work
     device = source_model.device
     source_enc = encode_contexts(source_tokenizer, contexts, device)
     target_enc = encode_contexts(target_tokenizer, contexts, target_model.device)
-    limit = KVLayout.from_config(target_model.config).max_positions
-    if limit is not None and target_enc.input_ids.shape[1] > limit:
-        raise ValueError(
-            f"`context` is {target_enc.input_ids.shape[1]} target tokens long but the target model holds at most "
-            f"{limit}: shorten the context or split it; nothing is truncated silently."
-        )
+    for side, model, encoded in (("target", target_model, target_enc), ("source", source_model, source_enc)):
+        limit = KVLayout.from_config(model.config).max_positions
+        if limit is not None and encoded.input_ids.shape[1] > limit:
+            raise ValueError(
+                f"`context` is {encoded.input_ids.shape[1]} {side} tokens long but the {side} model holds at most "
+                f"{limit}: shorten the context or split it; nothing is truncated silently."
+            )
     share = _recompute_share(recompute, native_tail, translator)
     if share == 1.0:
         return read_context(target_model, target_enc, source_id=source_model.config.name_or_path)

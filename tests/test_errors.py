@@ -89,6 +89,19 @@ def test_context_longer_than_the_target_holds(pair):
         _translate(pair, context="word " * 200)
 
 
+def test_context_longer_than_the_source_holds():
+    """GPT-2 has learned positions (512 here): a context the target holds but the source does not is refused by
+    name, where the source's prefill would fail inside its position embedding."""
+    source, target = tiny_model("gpt2", seed=1), tiny_model("llama", seed=2)
+    source.config.n_positions = 100  # the char tokenizer gives one token per character on both sides
+    target.config.max_position_embeddings = 4096
+    tokenizer = char_tokenizer()
+    translator = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16))
+    with pytest.raises(ValueError, match=r"`context` is 151 source tokens long but the source model holds at most 100"):
+        translate_context("x" * 150, translator=translator, source_model=source, source_tokenizer=tokenizer,
+                          target_model=target, target_tokenizer=tokenizer)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_or_inf_in_cache(pair, bad):
     model, tokenizer, _ = pair
