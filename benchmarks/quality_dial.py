@@ -60,12 +60,12 @@ def _items(args, target_tok) -> list[tuple[str, str, list[QAExample]]]:
     per_cell = -(-args.needles // 3)  # three depths per length
     for e in long_context_examples(target_tok, tuple(args.needle_lengths), per_cell=per_cell, seed=args.seed + 2):
         items.append((f"needle {e.meta['length']}", e.context, [e]))
-    items += [("quac", e.context, [e]) for e in quac_examples(args.examples, args.seed + 3)]
     rng = random.Random(args.seed + 4)
     for _ in range(args.reuse_documents):
         document, qa = synthetic_document(rng)
         questions = [QAExample("reuse", document, q, answers=[a]) for q, a in rng.sample(qa, min(8, len(qa)))]
         items.append(("reuse", document, questions))
+    items += [("quac", e.context, [e]) for e in quac_examples(args.quac, args.seed + 3)]
     return items
 
 
@@ -228,7 +228,8 @@ def main() -> None:
     parser.add_argument("--translator", default="hf-mot/smollm2-135m-to-gemma3-270m")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0, 0.05, 0.1, 0.2, 0.3, 0.5],
                         help="dial settings r in [0, 1)")
-    parser.add_argument("--examples", type=int, default=60, help="synthetic and QuAC contexts each")
+    parser.add_argument("--examples", type=int, default=60, help="synthetic contexts")
+    parser.add_argument("--quac", type=int, default=60, help="QuAC contexts")
     parser.add_argument("--needles", type=int, default=21, help="needle contexts per length (a multiple of 3)")
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--reuse-documents", type=int, default=4, help="documents of 8 questions each")
@@ -245,17 +246,23 @@ def main() -> None:
     # Once untimed first: the first calls pay one-off costs (kernel selection, allocations, the first-token cache).
     measure(items[0], args.budgets, translator, source, source_tok, target, target_tok)
     rows = []
+
+    def report(complete: bool) -> dict:
+        summary = summarize(rows, args.budgets)
+        return {
+            "command": "python " + " ".join(sys.argv), "machine": machine_info(), "complete": complete,
+            "models": {"source": args.source, "target": args.target, "translator": args.translator},
+            "budgets": args.budgets, "summary": summary, "table": table(summary, args.budgets), "rows": rows,
+        }
+
     for item in tqdm(items, desc="contexts"):
         rows.append(measure(item, args.budgets, translator, source, source_tok, target, target_tok))
-    summary = summarize(rows, args.budgets)
-    text = table(summary, args.budgets)
-    print(text)
-    report = {
-        "command": "python " + " ".join(sys.argv), "machine": machine_info(),
-        "models": {"source": args.source, "target": args.target, "translator": args.translator},
-        "budgets": args.budgets, "summary": summary, "table": text, "rows": rows,
-    }
-    write_json_atomically(args.output, report)
+        if len(rows) % 10 == 0:  # a long run that is stopped keeps what it measured, marked incomplete
+            write_json_atomically(args.output, report(complete=False))
+    final = report(complete=True)
+    print(final["table"])
+    write_json_atomically(args.output, final)
+    summary = final["summary"]
     figure = plot(summary, args.budgets, args.output.with_suffix(".png"))
     print(f"wrote {args.output}" + (f" and {figure}" if figure else ""))
 

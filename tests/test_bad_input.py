@@ -88,7 +88,7 @@ def _forward(**kwargs):
 CASES = {
     # name: (call, exception, message)
     "source cache of integers": (lambda: translate_context(CONTEXTS[0], source_cache=_int_cache(), **MODELS),
-                                 TypeError, r"`source_cache` holds torch.int64 tensors; a floating point cache is needed"),
+                                 TypeError, r"holds torch.int64 tensors; a floating point cache is needed"),
     "source cache that is not a Cache": (lambda: translate_context(CONTEXTS[0], source_cache=[(1, 2)], **MODELS),
                                          TypeError, r"`source_cache` must be a transformers `Cache`"),
     "generate with more rows than contexts": (_generate_with_wrong_rows, ValueError,

@@ -97,7 +97,8 @@ def test_context_longer_than_the_source_holds():
     target.config.max_position_embeddings = 4096
     tokenizer = char_tokenizer()
     translator = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16))
-    with pytest.raises(ValueError, match=r"`context` is 151 source tokens long but the source model holds at most 100"):
+    message = r"`context` is 151 source tokens long but the source model holds at most 100: shorten"
+    with pytest.raises(ValueError, match=message):
         translate_context("x" * 150, translator=translator, source_model=source, source_tokenizer=tokenizer,
                           target_model=target, target_tokenizer=tokenizer)
 
