@@ -128,6 +128,15 @@ CASES = {
                                      r"push_to_hub got unexpected arguments: \['privte'\]"),
     "pickle weights asked for": (lambda: MoTTranslator.from_pretrained("unused", use_safetensors=False), ValueError,
                                  r"load from safetensors only \(no pickle\)"),
+    "data package not installed": (
+        lambda: __import__("hf_mot.data", fromlist=["package_file"]).package_file("no_such_package", "x", "pip x"),
+        ModuleNotFoundError, r"The data package `no_such_package` is not installed: `pip x`"),
+    "data file missing from its package": (
+        lambda: __import__("hf_mot.data", fromlist=["package_file"]).package_file("hf_mot", "no/such.jsonl", "pip y"),
+        FileNotFoundError, r"no/such.jsonl is missing from `hf_mot`: reinstall it with `pip y`"),
+    "depth-matched path on the per-layer baseline": (
+        lambda: MoTConfig.from_models(MODEL.config, MODEL.config, architecture="per_layer", depth_matched_layers=1),
+        ValueError, r"`depth_matched_layers` needs `architecture='mixture'`"),
     "cache file that is not a translated cache": (lambda: TranslatedCache.load(_plain_safetensors(), MODEL.config),
                                                   ValueError, r"is not a translated cache written by"),
     "cache file for a deeper target": (lambda: TranslatedCache.load(_saved(), tiny_model("qwen2").config),
@@ -159,3 +168,13 @@ def test_bad_input_gets_its_documented_error(case, tmp_path, monkeypatch):
     call, error, message = CASES[case]
     with pytest.raises(error, match=message):
         call()
+
+
+def test_translate_output_must_be_safetensors(capsys, tmp_path, monkeypatch):
+    from hf_mot.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["translate", "--context", "x", "--output", "cache.pt"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "hf-mot translate: error: --output must end in .safetensors, got cache.pt.")
+    assert not list(tmp_path.iterdir())
