@@ -46,7 +46,6 @@ class MoTOutput(ModelOutput):
         return sorted(layer for layers in self.block_layers for layer in layers)
 
 
-
 class MoTTranslator(PreTrainedModel):
     r"""
     Mixture-of-Translators KV-cache translator: keys and values of a source model's cache go through two

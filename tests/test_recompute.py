@@ -97,3 +97,37 @@ def test_recompute_with_native_tail_is_refused():
     source, target, translator = _pair()
     with pytest.raises(ValueError, match="pass one of them"):
         _translate(CONTEXTS[0], translator, source, target, recompute=0.2, native_tail=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(num_beams=3, num_return_sequences=2, do_sample=False), dict(do_sample=True, top_k=20, seed=7)],
+    ids=["beam-n-return", "sampling"],
+)
+def test_decoding_strategies_at_a_middle_recompute(kwargs):
+    """Beam search with several returns and seeded sampling from a cache half read natively (Gemma 3's sliding
+    window shorter than both parts) give the native tokens through the identity."""
+    model, tokenizer = tiny_model("gemma3"), char_tokenizer()
+    translator = identity_translator(model, tokenizer)
+    native, translated = native_and_translated(model, tokenizer, translator, CONTEXTS[:2], PROMPT, recompute=0.5,
+                                               max_new_tokens=8, **kwargs)
+    assert translated.tolist() == native.tolist()
+
+
+def test_save_and_load_keep_what_was_read_natively(tmp_path):
+    """A cache saved at `recompute=r` loads with the same tokens, the same count of natively read tokens, and
+    continues (a second turn) as the live one does."""
+    from hf_mot import TranslatedCache
+    from hf_mot._compat import cache_kwarg
+
+    source, target, translator = _pair()
+    live = _translate(CONTEXTS[:2], translator, source, target, recompute=0.3)
+    live.save(tmp_path / "cache.safetensors")
+    loaded = TranslatedCache.load(tmp_path / "cache.safetensors", target.config)
+    assert loaded.native_tokens == live.native_tokens > 0
+    _same_cache(loaded, live)
+    prompt = char_tokenizer()([PROMPT] * 2, return_tensors="pt", add_special_tokens=False).input_ids
+    outs = [target.generate(input_ids=prompt, attention_mask=cache.generation_mask(prompt.shape[1]),
+                            max_new_tokens=6, do_sample=False, **{cache_kwarg(target): cache})
+            for cache in (live, loaded)]
+    assert torch.equal(outs[0], outs[1])
