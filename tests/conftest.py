@@ -198,3 +198,14 @@ def native_and_translated(
 def hub():
     """The loopback Hub server of this test session (`hub.url`, `hub.state.repos`)."""
     return HUB
+
+
+# The fixtures that convert or load the embedded models: a test that uses one is a `real_models` test whether or not
+# it says so, so that `-m "not real_models"` runs without them.
+REAL_MODEL_FIXTURES = {"smollm2", "gemma3", "real_tokenizers"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_models)
