@@ -2,7 +2,7 @@
 
 Usage:
     hf-mot train --source smollm2-135m --target gemma3-270m --output-dir runs/smollm2-to-gemma3 --max-steps 2000
-    accelerate launch --num_processes 2 examples/training/train_translator.py --source ... --target ... ...
+    torchrun --standalone --nproc_per_node 2 examples/training/train_translator.py --source ... --target ... ...
 
 Re-running with the same `--output-dir` resumes from its last checkpoint.
 """
@@ -82,7 +82,10 @@ class DataArguments:
 # thousand small steps; the loaded weights of `--init-from` runs keep these unless told otherwise).
 TRAIN_DEFAULTS = dict(max_steps=2000, per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=50,
                       save_steps=100, save_total_limit=2, logging_steps=10, lr_scheduler_type="cosine",
-                      weight_decay=0.0, max_grad_norm=1.0, seed=0)
+                      weight_decay=0.0, max_grad_norm=1.0, seed=0,
+                      # Without a GPU, `torchrun --nproc_per_node N` gives N processes on the CPU (gloo) only when
+                      # the arguments say CPU; otherwise each process trains alone on the whole data.
+                      use_cpu=not torch.cuda.is_available())
 # What the run record keeps of the training arguments (the rest are `TrainingArguments` defaults).
 RECORDED_TRAINING = ("output_dir", "max_steps", "gradient_accumulation_steps", "learning_rate", "warmup_steps",
                      "seed", "bf16", "fresh_learning_rate", "time_budget_minutes",
