@@ -159,6 +159,32 @@ def layer_attribution() -> list[str]:
     ]
 
 
+def quality_dial() -> list[str]:
+    """The speed/quality dial: retention against speed-up at each recompute budget, beside its control. Long (over
+    an hour here), so `--run` does not redo it."""
+    report = load_result("quality_dial.json")
+    if report is None:
+        return []
+    machine = report["machine"]
+    return [
+        "### The speed/quality dial (`recompute=r`): QA retention against speed-up",
+        "",
+        f"`{report['command']}`; translator `{report['models']['translator']}`; {machine['cpu']} "
+        f"({', '.join(machine['cpu_features'])}), {machine['threads']} threads, torch {machine['torch']}, "
+        f"transformers {machine['transformers']}. Retention is the mean score over the target's own reading of the "
+        "context (95% bootstrap interval over contexts); speed-up is the target's prefill time over the time to "
+        "give it the context that way, with the source cache given (median, interval), and in the last column "
+        "counting the source's prefill too. `control r` reads only the tokens `recompute=r` reads natively, with "
+        "no translation." + ("" if report.get("complete", True) else " The run was stopped early: the table "
+                            "holds the contexts measured by then."),
+        "",
+        report["table"],
+        "",
+        "![quality dial](benchmarks/results/quality_dial.png)",
+        "",
+    ]
+
+
 def evaluation_caveat() -> list[str]:
     """A line saying so when the QA tables were measured on another translator than the shipped one."""
     measured = json.loads((RESULTS / "evaluation" / "evaluation.json").read_text())["translator"]
@@ -173,6 +199,7 @@ def section() -> str:
     return "\n".join([
         "Regenerate with `python scripts/update_results.py --run` (about 50 minutes on this machine).",
         "",
+        *quality_dial(),
         *fidelity(),
         *ablations(),
         *failure_modes(),
@@ -208,6 +235,7 @@ def main() -> None:
         f.write(f"{head}{START}\n{generated}\n{END}{tail}")
     os.replace(f.name, page)
     print(f"{page.relative_to(ROOT)} rewritten")
+
 
 if __name__ == "__main__":
     main()

@@ -97,3 +97,38 @@ def test_corrupted_or_truncated_cache_files_load_or_say_why(saved_cache, tmp_pat
     assert len(cache.layers) == TARGET.config.num_hidden_layers
     for layer in cache.layers:
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+
+
+@pytest.fixture(scope="module")
+def cli_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz_cli")
+    for name, model, tokenizer in (("src", SOURCE, SOURCE_TOK), ("tgt", TARGET, TARGET_TOK)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    TRANSLATOR.save_pretrained(root / "translator")
+    return root
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(context=texts, recompute=st.one_of(st.none(), st.floats(-1, 2), st.sampled_from([0.0, 1.0, float("nan")])),
+       tail=st.sampled_from([None, 0, 3, 10_000]))
+def test_the_cli_answers_or_says_why_in_one_line(cli_dirs, capsys, context, recompute, tail):
+    """`hf-mot generate` on any context and dial setting: an answer and exit 0, or one `error:` line and exit 1."""
+    from hf_mot.cli import main
+
+    argv = ["generate", "--source", str(cli_dirs / "src"), "--target", str(cli_dirs / "tgt"), "--translator",
+            str(cli_dirs / "translator"), "--context", context, "--max-new-tokens", "2"]
+    if recompute is not None:
+        argv += ["--recompute", repr(recompute)]
+    if tail is not None:
+        argv += ["--native-tail", str(tail)]
+    if context.startswith("-"):  # argparse would read it as an option
+        at = argv.index("--context")
+        argv[at : at + 2] = [f"--context={context}"]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    if code == 0:
+        assert out.startswith("answer: ") and "target's own answer" in out
+    else:
+        assert code == 1 and err.strip().splitlines()[-1].startswith("hf-mot generate: error: "), err
