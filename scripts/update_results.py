@@ -176,7 +176,8 @@ def quality_dial() -> list[str]:
         "give it the context that way, with the source cache given (median, interval), and in the last column "
         "counting the source's prefill too. `control r` reads only the tokens `recompute=r` reads natively, with "
         "no translation." + ("" if report.get("complete", True) else " The run was stopped early: the table "
-                            "holds the contexts measured by then."),
+                            "holds the contexts measured by then.")
+        + (f" {report['note']}" if "note" in report else ""),
         "",
         report["table"],
         "",
