@@ -120,7 +120,8 @@ def test_the_cli_answers_or_says_why_in_one_line(cli_dirs, capsys, context, reco
     argv = ["generate", "--source", str(cli_dirs / "src"), "--target", str(cli_dirs / "tgt"), "--translator",
             str(cli_dirs / "translator"), "--context", context, "--max-new-tokens", "2"]
     if recompute is not None:
-        argv += ["--recompute", repr(recompute)]
+        # `--recompute=X`: argparse reads `--recompute -1e-05` as a missing value followed by an option.
+        argv += [f"--recompute={recompute!r}"]
     if tail is not None:
         argv += ["--native-tail", str(tail)]
     if context.startswith("-"):  # argparse would read it as an option
