@@ -162,8 +162,18 @@ class TranslatedCache(DynamicCache):
             raise ValueError(f"{path} lacks the (batch, context tokens) attention mask that `save` writes.")
         cache = cls(config, attention_mask=mask, source_id=metadata.get("source_id", ""),
                     target_id=metadata.get("target_id", ""))
-        cache.native_tokens = int(metadata.get("native_tokens", 0))
-        seen = json.loads(metadata.get("seen_tokens", "[]"))
+        try:
+            native_tokens = int(metadata.get("native_tokens", 0))
+            seen = json.loads(metadata.get("seen_tokens", "[]"))
+            valid = isinstance(seen, list) and all(isinstance(n, int) and n > 0 for n in seen)
+        except ValueError:
+            valid = False
+        if not valid or not 0 <= native_tokens <= mask.shape[1]:
+            raise ValueError(
+                f"{path} has corrupted metadata (the token counts `save` writes do not parse): write it again with "
+                "`TranslatedCache.save`."
+            )
+        cache.native_tokens = native_tokens
         target = metadata.get("target_id") or "see its metadata"
         if len(seen) != len(cache.layers):
             raise ValueError(

@@ -178,3 +178,18 @@ def test_translate_output_must_be_safetensors(capsys, tmp_path, monkeypatch):
     assert capsys.readouterr().err.strip() == (
         "hf-mot translate: error: --output must end in .safetensors, got cache.pt.")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "edit", [(b'"seen_tokens":"[', b'"seen_tokens":"{'), (b'"native_tokens":"0"', b'"native_tokens":"x"')]
+)
+def test_cache_file_with_corrupted_metadata(tmp_path, edit):
+    """A flipped byte inside the metadata `save` writes (found by tests/test_fuzz.py) is a `ValueError` that names
+    the file, not a bare JSON error."""
+    path = tmp_path / "cache.safetensors"
+    translate_context(CONTEXTS[0], **MODELS).save(path)
+    blob = path.read_bytes()
+    assert blob.count(edit[0]) == 1
+    path.write_bytes(blob.replace(*edit))
+    with pytest.raises(ValueError, match=rf"{path} has corrupted metadata"):
+        TranslatedCache.load(path, MODEL.config)
