@@ -23,13 +23,12 @@ from pathlib import Path
 import torch
 
 from hf_mot import MoTTranslator, load_model
-from hf_mot.alignment import align_contexts, encode_contexts
+from hf_mot.alignment import encode_contexts
 from hf_mot.evaluation.fidelity import evaluate_fidelity, heldout_examples, summarize
 from hf_mot.evaluation.injection import window_injected_cache
 from hf_mot.evaluation.report import machine_info
 from hf_mot.files import write_json_atomically
-from hf_mot.kv import read_source_cache, tokenizer_fingerprint
-from hf_mot.pipeline import fill_translated_cache, prefill_source, run_translator
+from hf_mot.pipeline import fill_translated_cache, read_source_and_align, run_translator
 from hf_mot.training.losses import native_context_kv
 
 
@@ -37,12 +36,9 @@ from hf_mot.training.losses import native_context_kv
 def layer_errors(translator, source, source_tok, target, target_tok, contexts, start, count, mode) -> list[float]:
     """Mean relative KV error (keys and values) per target layer, over `contexts`; NaN below the injection."""
     sums = torch.zeros(target.config.num_hidden_layers)
-    same = tokenizer_fingerprint(source_tok) == tokenizer_fingerprint(target_tok)
     for context in contexts:
         s, t = encode_contexts(source_tok, [context]), encode_contexts(target_tok, [context])
-        cache = prefill_source(source, s)
-        source_kv = read_source_cache(cache, source, s.attention_mask, s.position_ids)
-        alignment = align_contexts(s, t, same_tokenizer=same)
+        source_kv, alignment = read_source_and_align(source, source_tok, target_tok, s, t)
         if mode == "window":
             _, context_kv = window_injected_cache(translator, source_kv, alignment, target, t, (start, count))
         else:

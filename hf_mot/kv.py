@@ -100,8 +100,12 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return fingerprint
 
 
+def _decoder(model: PreTrainedModel) -> torch.nn.Module:
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+
+
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    decoder = _decoder(model)
     for name in ("layers", "h"):
         layers = getattr(decoder, name, None)
         if layers is not None:
@@ -192,8 +196,7 @@ def layers_cos_sin(
     """The model's own RoPE tables for `layers` at `position_ids`, `(len(layers), batch, tokens, rotary_dim)` each,
     or `None` for models without RoPE. The model's rotary module makes them, so RoPE scaling variants and Gemma 3's
     per-layer-type bases come for free; it runs once per distinct layer type among `layers`, not once per layer."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    rotary = getattr(decoder, "rotary_emb", None)
+    rotary = getattr(_decoder(model), "rotary_emb", None)
     if rotary is None:
         return None  # no RoPE (GPT-2, OPT)
     if "layer_type" in inspect.signature(rotary.forward).parameters:

@@ -44,6 +44,24 @@ def prefill_source(model: PreTrainedModel, encoded: EncodedContext) -> Cache:
     return returned_cache(outputs)
 
 
+def read_source_and_align(
+    source_model: PreTrainedModel,
+    source_tokenizer: PreTrainedTokenizerBase,
+    target_tokenizer: PreTrainedTokenizerBase,
+    source_enc: EncodedContext,
+    target_enc: EncodedContext,
+    source_cache: Cache | None = None,
+) -> tuple[SourceKV, TokenAlignment]:
+    """The source's position-free KV of the encoded contexts (read from `source_cache`, or from a prefill made
+    here when it is `None`) and the alignment of the target tokens onto the source tokens."""
+    same_tokenizer = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
+    alignment = align_contexts(source_enc, target_enc, same_tokenizer=same_tokenizer)
+    if source_cache is None:
+        source_cache = prefill_source(source_model, source_enc)
+    source = read_source_cache(source_cache, source_model, source_enc.attention_mask, source_enc.position_ids)
+    return source, alignment
+
+
 def _check_devices(translator: MoTTranslator, source: SourceKV, target_model: PreTrainedModel) -> None:
     key = source.keys
     for name, device in (("translator", translator.device), ("target_model", target_model.device)):
@@ -349,11 +367,8 @@ def translate_context(
     if share:
         native_tail = int(share * target_enc.input_ids.shape[1])
     _check_native_tail(native_tail, target_enc.input_ids.shape[1])
-    same_tokenizer = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
-    alignment = align_contexts(source_enc, target_enc, same_tokenizer=same_tokenizer)
-    if source_cache is None:
-        source_cache = prefill_source(source_model, source_enc)
-    source = read_source_cache(source_cache, source_model, source_enc.attention_mask, source_enc.position_ids)
+    source, alignment = read_source_and_align(source_model, source_tokenizer, target_tokenizer, source_enc,
+                                              target_enc, source_cache)
     return build_translated_cache(
         translator,
         source,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from ..alignment import EncodedContext, TokenAlignment, align_contexts, encode_contexts
+from ..alignment import EncodedContext, TokenAlignment, encode_contexts
 from ..cache import TranslatedCache
-from ..kv import SourceKV, read_source_cache, tokenizer_fingerprint
+from ..kv import SourceKV
 from ..modeling_mot import MoTTranslator
-from ..pipeline import fill_translated_cache, prefill_source, read_into_cache, run_translator
+from ..pipeline import fill_translated_cache, read_into_cache, read_source_and_align, run_translator
 
 
 class InjectingCache(TranslatedCache):
@@ -88,10 +88,7 @@ def translate_with_window(
     translator.check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
     source_enc = encode_contexts(source_tokenizer, [context], source_model.device)
     target_enc = encode_contexts(target_tokenizer, [context], target_model.device)
-    same = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
-    alignment = align_contexts(source_enc, target_enc, same_tokenizer=same)
-    if source_cache is None:
-        source_cache = prefill_source(source_model, source_enc)
-    source = read_source_cache(source_cache, source_model, source_enc.attention_mask, source_enc.position_ids)
+    source, alignment = read_source_and_align(source_model, source_tokenizer, target_tokenizer, source_enc,
+                                              target_enc, source_cache)
     cache, _ = window_injected_cache(translator, source, alignment, target_model, target_enc, window)
     return cache
