@@ -3,6 +3,7 @@
     hf-mot generate --context-file doc.txt --prompt " Question: ... Answer:"
     hf-mot translate --context-file doc.txt --output doc.cache.safetensors
     hf-mot train --source smollm2-135m --target gemma3-270m --output-dir runs/pair
+    hf-mot fit-layers --translator PATH_OR_REPO --output-dir runs/fitted
     hf-mot evaluate --translator PATH_OR_REPO --output-dir results/
     hf-mot push PATH ORG/NAME
     hf-mot info PATH_OR_REPO
@@ -167,6 +168,58 @@ def _evaluate(args: argparse.Namespace) -> None:
     print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
+def _fit_layers(args: argparse.Namespace) -> None:
+    """Give a translator dedicated maps for the target layers retrieval lives in (by default the target's
+    full-attention layers) and fit them: a closed-form ridge start, then a distillation of the target's own attention
+    at question, answer and continuation positions (hf_mot.training.layer_fit). The rest of the translator is kept.
+    Writes the translator and layer_fit.json (the attention error per layer before and after) to --output-dir."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from .kv import key_norm
+    from .training.layer_fit import default_source_layers, fit_dedicated_layers, with_dedicated_layers
+
+    output = Path(args.output_dir)
+    if output.exists() and any(output.iterdir()):
+        raise ValueError(f"--output-dir {output} is not empty: name a new folder.")
+    source, source_tok, target, target_tok, translator, translator_name = _load_pair(args)
+    layout = translator.config.target_layout
+    layers = args.layers
+    if layers is None:
+        layers = [i for i, kind in enumerate(layout.layer_types) if kind == "full_attention"]
+        if not layers:
+            raise ValueError("The target has no layer types to find its full-attention layers by: pass --layers.")
+    source_layers = args.source_layers or default_source_layers(translator.config.source_layout.num_layers)
+    # Keys are normalised where the target normalises its own (Gemma 3, Qwen 3), never elsewhere.
+    normalize = key_norm(target, layers[0]) is not None
+    translator = with_dedicated_layers(translator, layers, source_layers, key_norm=normalize)
+    report = fit_dedicated_layers(
+        translator, source, source_tok, target, target_tok, pairs=args.pairs, validation_pairs=args.validation_pairs,
+        context_words=tuple(args.context_words), ridge=args.ridge, epochs=args.epochs,
+        learning_rate=args.learning_rate, seed=args.seed,
+    )
+    report["command"] = "hf-mot " + " ".join(sys.argv[1:])
+    report["started_from"] = translator_name
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    try:
+        translator.save_pretrained(staging)
+        (staging / "layer_fit.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        if output.exists():
+            output.rmdir()
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    for stage in ("without", "ridge", "distilled"):
+        kl = ", ".join(f"{k:.3f}" for k in report[stage]["kl"])
+        error = ", ".join(f"{e:.3f}" for e in report[stage]["output_error"])
+        print(f"{stage:>10}: attention KL per layer {kl}; output error {error}")
+    print(f"wrote {output}")
+
+
 def _timed(fn):
     fn()
     start = time.perf_counter()
@@ -292,6 +345,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a translator (all options: hf-mot train --help).",
     )
     train.set_defaults(func=None)
+
+    fit = commands.add_parser("fit-layers", help="fit dedicated maps for the layers retrieval lives in",
+                              description=_fit_layers.__doc__)
+    _add_pair_arguments(fit, context=False)
+    fit.add_argument("--output-dir", required=True, help="new folder for the fitted translator")
+    fit.add_argument("--layers", type=int, nargs="+", default=None,
+                     help="target layers to dedicate maps to (default: its full-attention layers)")
+    fit.add_argument("--source-layers", type=int, nargs="+", default=None,
+                     help="source layers the maps read (default: 10 evenly spaced, ending with the last)")
+    fit.add_argument("--pairs", type=int, default=240, help="training pairs (default 240)")
+    fit.add_argument("--validation-pairs", type=int, default=24, help="validation pairs (default 24)")
+    fit.add_argument("--context-words", type=int, nargs=2, default=[200, 1100], metavar=("MIN", "MAX"),
+                     help="context length range in words (default 200 1100)")
+    fit.add_argument("--ridge", type=float, default=1e-3,
+                     help="ridge penalty, relative to the inputs' mean square (default 1e-3)")
+    fit.add_argument("--epochs", type=int, default=4, help="distillation epochs (default 4)")
+    fit.add_argument("--learning-rate", type=float, default=1e-4, help="distillation learning rate (default 1e-4)")
+    fit.add_argument("--seed", type=int, default=0)
+    fit.set_defaults(func=_fit_layers)
 
     info = commands.add_parser("info", help="what a translator was built for", description=_info.__doc__)
     info.add_argument("translator", help="translator path or repo id")

@@ -72,6 +72,17 @@ class MoTConfig(PretrainedConfig):
             linear map of its own from this many source layers at the same relative depth, added to the
             mixture's output. The shared `hidden_size` representation caps the rank of all produced layers
             together; this path lifts the cap (it matters for values, which are high-rank across layers).
+        dedicated_layers (`list[int]`, *optional*): target layers that get a linear map of their own, from the
+            `dedicated_source_layers` (aligned to target tokens) and, when the mixtures read target tokens, the
+            target's embedding of each token; added to the mixture's output. Meant for the layers retrieval lives
+            in, such as Gemma 3's full-attention layers: the shared representation does not carry them well
+            enough (`hf-mot fit-layers` fits these maps).
+        dedicated_source_layers (`list[int]`, *optional*): the source layers the dedicated maps read. Required
+            with `dedicated_layers`.
+        dedicated_key_norm (`bool`, *optional*, defaults to `False`): RMS-normalise the keys of the dedicated
+            layers per head, as a target with a key norm (Gemma 3, Qwen 3) does to its own keys before scaling
+            them. A least-squares fit of keys shrinks them toward their mean, which flattens the target's
+            attention; normalising undoes the shrinkage.
         recompute (`float`, *optional*, defaults to 0.0): the share of a native prefill's compute that
             `translate_context(..., recompute=None)` lets the target spend reading part of the context itself (see
             `translate_context`): the translator's recommended point of its speed/quality curve. 0 is pure
@@ -104,6 +115,9 @@ class MoTConfig(PretrainedConfig):
     initializer_range: float = 0.02
     target_embedding_size: int | None = None
     depth_matched_layers: int = 0
+    dedicated_layers: list[int] | None = None
+    dedicated_source_layers: list[int] | None = None
+    dedicated_key_norm: bool = False
     recompute: float = 0.0
 
     def __post_init__(self, **kwargs):
@@ -138,6 +152,7 @@ class MoTConfig(PretrainedConfig):
                 "`depth_matched_layers` needs `architecture='mixture'`: the per-layer baseline is depth-matched "
                 "already."
             )
+        self._check_dedicated_layers()
         if self.target_embedding_size is not None and self.architecture != "mixture":
             raise ValueError(
                 "`target_embedding_size` (reading the target's tokens) needs `architecture='mixture'`; the "
@@ -147,6 +162,23 @@ class MoTConfig(PretrainedConfig):
             if self.architecture != "mixture":
                 raise ValueError("`init='identity'` needs `architecture='mixture'`.")
             self._check_identity_possible()
+
+    def _check_dedicated_layers(self) -> None:
+        if not self.dedicated_layers:
+            if self.dedicated_source_layers or self.dedicated_key_norm:
+                raise ValueError("`dedicated_source_layers` and `dedicated_key_norm` need `dedicated_layers`.")
+            return
+        if self.architecture != "mixture":
+            raise ValueError("`dedicated_layers` needs `architecture='mixture'`.")
+        if not self.dedicated_source_layers:
+            raise ValueError("`dedicated_layers` needs `dedicated_source_layers`: the source layers their maps read.")
+        for name, layers, side in (("dedicated_layers", self.dedicated_layers, self.target),
+                                   ("dedicated_source_layers", self.dedicated_source_layers, self.source)):
+            count = side["num_layers"]
+            if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count for i in layers):
+                raise ValueError(f"`{name}` must be layer indices in [0, {count}), got {layers!r}.")
+            if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+                raise ValueError(f"`{name}` must be increasing, without repeats, got {layers!r}.")
 
     @property
     def source_layout(self) -> KVLayout:

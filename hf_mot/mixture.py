@@ -102,6 +102,59 @@ class DepthMatchedPath(nn.Module):
         return torch.einsum("btlf,lfo->btlo", aligned, weight) + bias
 
 
+class DedicatedLayerPath(nn.Module):
+    """For a few chosen target layers, a linear map of their own from chosen source layers (aligned to target tokens)
+    and the target's embedding of each token, added to the mixture's output for those layers.
+
+    Retrieval over long contexts lives in a few layers (Gemma 3's full-attention layers), and the shared
+    representation does not carry them well enough; a map per layer from many source layers can, and can be fitted
+    in closed form (`hf_mot.training.layer_fit`). It starts at zero, so adding it to a trained translator starts
+    from exactly that translator; its parameters sit on the module itself, for the same reason as
+    [`DepthMatchedPath`].
+    """
+
+    def __init__(
+        self, target_layers: list[int], source_layers: list[int], source: KVLayout, target: KVLayout,
+        embedding_size: int | None,
+    ):
+        super().__init__()
+        self.target_layers = list(target_layers)
+        self.source_layers = list(source_layers)
+        self.in_features = len(source_layers) * source.feature_size + (embedding_size or 0)
+        self.weight = nn.Parameter(torch.empty(len(target_layers), self.in_features, target.feature_size))
+        self.bias = nn.Parameter(torch.empty(len(target_layers), target.feature_size))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        init.zeros_(self.weight)
+        init.zeros_(self.bias)
+
+    def inputs(
+        self, source: torch.Tensor, alignment: TokenAlignment, embeddings: torch.Tensor | None,
+        last_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """What the maps read, per target token: `(batch, target_tokens, in_features)` (or the last `last_tokens`)."""
+        picked = source.index_select(2, layer_index(self.source_layers, source.device)).flatten(2)
+        aligned = alignment.apply(picked, last_tokens)
+        if embeddings is None:
+            return aligned
+        return torch.cat([aligned, cast(embeddings[:, -aligned.shape[1]:], aligned.dtype)], dim=-1)
+
+    def forward(self, inputs: torch.Tensor, which: list[int]) -> torch.Tensor:
+        """The contribution to `self.target_layers[i] for i in which`: `(batch, tokens, len(which), features)`."""
+        weight, bias = self.weight, self.bias
+        if len(which) < len(self.target_layers):
+            index = layer_index(which, weight.device)
+            weight, bias = weight.index_select(0, index), bias.index_select(0, index)
+        return torch.einsum("btf,lfo->btlo", inputs, weight) + bias
+
+
+def rms_normalize(block: torch.Tensor, head_dim: int, eps: float = 1e-6) -> torch.Tensor:
+    """Each head's features scaled to unit RMS, as an RMS key norm does before its weight: `(..., heads * dim)`."""
+    heads = block.unflatten(-1, (-1, head_dim))
+    return (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+
+
 def groups_by_last_tokens(last_tokens: list[int | None] | None, count: int) -> list[tuple[int | None, list[int]]]:
     """The target layers `0 .. count - 1` grouped by how many last target tokens each needs (`None`: all),
     so that each group is computed as one block."""
@@ -126,14 +179,16 @@ class KVMixture(nn.Module):
        outputs are added to it (a residual mixture of translators);
     3. one projection produces the features of every produced target layer at once;
     4. if the config has `depth_matched_layers`, a per-layer linear path from the source layers at the same
-       relative depth is added ([`DepthMatchedPath`]): it lifts the rank limit of the shared representation.
+       relative depth is added ([`DepthMatchedPath`]): it lifts the rank limit of the shared representation;
+    5. if the config has `dedicated_layers`, those layers get a map of their own ([`DedicatedLayerPath`]), and
+       with `dedicated_key_norm` the key mixture RMS-normalises their keys.
 
     The experts run once per token, not once per (token, layer): the cost grows with the context length only.
     With the identity init both projections are identities and every expert outputs zero, so the mixture
     reproduces its input exactly.
     """
 
-    def __init__(self, config: MoTConfig, source: KVLayout, target: KVLayout):
+    def __init__(self, config: MoTConfig, source: KVLayout, target: KVLayout, keys: bool = False):
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_token
@@ -154,6 +209,12 @@ class KVMixture(nn.Module):
         self.depth_matched = None
         if config.depth_matched_layers:
             self.depth_matched = DepthMatchedPath(config.depth_matched_layers, source, target)
+        self.dedicated = None
+        if config.dedicated_layers:
+            self.dedicated = DedicatedLayerPath(config.dedicated_layers, config.dedicated_source_layers, source,
+                                                target, config.target_embedding_size)
+        self.normalized_layers = set(config.dedicated_layers or ()) if keys and config.dedicated_key_norm else set()
+        self.head_dim = target.head_dim
 
     @torch.no_grad()
     def reset_parameters(self, identity: bool, std: float) -> None:
@@ -218,8 +279,24 @@ class KVMixture(nn.Module):
             if self.depth_matched is not None:
                 matched = self.depth_matched.aligned_inputs(source, alignment, indices, last)
                 block = block + self.depth_matched(matched, indices)
+            if self.dedicated is not None:
+                block = self._add_dedicated(block, indices, source, alignment, target_embeddings, last)
             blocks.append((indices, block))
         return blocks, self._load_balancing_loss(logits, chosen)
+
+    def _add_dedicated(self, block, indices, source, alignment, embeddings, last) -> torch.Tensor:
+        """`block` with the dedicated maps' contribution added to the dedicated layers among `indices` (and their keys
+        normalised, for the key mixture with `dedicated_key_norm`)."""
+        dedicated = self.dedicated.target_layers
+        rows = [j for j, layer in enumerate(indices) if layer in dedicated]
+        if not rows:
+            return block
+        inputs = self.dedicated.inputs(source, alignment, embeddings, last)
+        where = layer_index(rows, block.device)
+        added = block.index_select(2, where) + self.dedicated(inputs, [dedicated.index(indices[j]) for j in rows])
+        if self.normalized_layers:
+            added = rms_normalize(added, self.head_dim)
+        return block.index_copy(2, where, cast(added, block.dtype))
 
     def _out_proj(self, hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
         """The target layers `indices` from the shared representation: `(batch, tokens, len(indices),

@@ -17,7 +17,7 @@ from .configuration_mot import MoTConfig
 from .files import write_text_atomically
 from .hub import PUSH_OPTIONS, read_model_card, render_default_card, shipped_translator_dir, upload_folder
 from .kv import KVLayout, cast, tokenizer_fingerprint
-from .mixture import DepthMatchedPath, KVMixture, TargetTokenReader, groups_by_last_tokens
+from .mixture import DedicatedLayerPath, DepthMatchedPath, KVMixture, TargetTokenReader, groups_by_last_tokens
 
 
 @dataclass
@@ -79,7 +79,7 @@ class MoTTranslator(PreTrainedModel):
         if config.architecture == "per_layer":
             self.projector = PerLayerProjector(config, source, target)
         else:
-            self.key_mixture = KVMixture(config, source, target)
+            self.key_mixture = KVMixture(config, source, target, keys=True)
             self.value_mixture = KVMixture(config, source, target)
         self.model_card: str | None = None  # the card it was loaded with; `save_pretrained` writes it back
         self.post_init()
@@ -174,7 +174,7 @@ class MoTTranslator(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):
             module.reset_parameters(identity=self.config.init == "identity", std=self.config.initializer_range)
-        elif isinstance(module, (TargetTokenReader, DepthMatchedPath, PerLayerProjector)):
+        elif isinstance(module, (TargetTokenReader, DepthMatchedPath, DedicatedLayerPath, PerLayerProjector)):
             module.reset_parameters()
 
     @property

@@ -75,6 +75,71 @@ def as_question_pair(chunk: dict, rng: random.Random, cue_words: int = 4) -> dic
     return {**chunk, "continuation": QUESTION_TEMPLATE.format(cue=cue, answer=answer), "question": True}
 
 
+# Made-up facts for retrieval pairs. The names, places and trades share nothing with the evaluation's
+# (`hf_mot.evaluation.tasks`), so a fact seen in training is never a fact asked about in evaluation.
+FACT_NAMES = ("Alvaro", "Birgit", "Cosmin", "Delphine", "Emeka", "Fenna", "Gideon", "Hanne", "Ilkka", "Jovana",
+              "Kasimir", "Liesel", "Marek", "Noor", "Orla", "Piet", "Radek", "Saoirse", "Teodor", "Ulla", "Viggo")
+FACT_SURNAMES = ("Achterberg", "Brandauer", "Ciobanu", "Dragomir", "Esterhazy", "Fitzgerald", "Grimaldi", "Hollander",
+                 "Ivanova", "Jurado", "Kettering", "Lombardi", "Marchetti", "Nieminen", "Oyelaran", "Prendergast")
+FACT_PLACES = ("Antwerp", "Bratislava", "Coimbra", "Dundee", "Esbjerg", "Graz", "Halifax", "Innsbruck", "Jaipur",
+               "Kaunas", "Leuven", "Malmo", "Nantes", "Oulu", "Plovdiv", "Quito", "Rotterdam", "Sapporo")
+FACT_TRADES = ("surveyor", "harpist", "blacksmith", "pharmacist", "dentist", "goldsmith", "potter", "archivist",
+               "brewer", "carpenter", "florist", "welder", "zoologist")
+
+
+def made_up_fact(rng: random.Random) -> tuple[str, str, str]:
+    """(sentence, question, answer) about a made-up person."""
+    who = f"{rng.choice(FACT_NAMES)} {rng.choice(FACT_SURNAMES)}"
+    kind = rng.randrange(4)
+    if kind == 0:
+        place = rng.choice(FACT_PLACES)
+        return f"{who} moved to {place}.", f"Where did {who} move to?", place
+    if kind == 1:
+        trade = rng.choice(FACT_TRADES)
+        return f"{who} is a {trade}.", f"What is {who}'s job?", trade
+    if kind == 2:
+        year = str(rng.randint(1900, 2020))
+        return f"{who} retired in {year}.", f"In which year did {who} retire?", year
+    count = str(rng.randint(2, 99))
+    return f"{who} has {count} cats.", f"How many cats does {who} have?", count
+
+
+def retrieval_pairs(
+    count: int, *, context_words: tuple[int, int] = (200, 1100), seed: int = 0, split: str = "train"
+) -> list[dict]:
+    """(context, suffix) pairs whose suffix reads the context back from anywhere in it, for fitting the layers
+    retrieval lives in (`hf_mot.training.layer_fit`).
+
+    Contexts are cut from the training corpus (one split of it). Half carry a made-up fact at a random depth and
+    end in a question about it with its answer, in the evaluation's QA frame; 30% ask for the words after a cue
+    (`as_question_pair`); the rest repeat a span of the context (`as_recall_pair`).
+    """
+    if split not in ("train", "validation"):
+        raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}.")
+    if not 20 <= context_words[0] <= context_words[1]:
+        raise ValueError(f"`context_words` must be (min, max) with 20 <= min <= max, got {context_words}.")
+    rng = random.Random(seed)
+    documents = [d for docs in training_documents().values() for d in docs
+                 if document_split(d, 5) == split and len(d.split()) >= context_words[0]]
+    pairs = []
+    for _ in range(count):
+        words = rng.choice(documents).split()
+        length = rng.randint(context_words[0], min(context_words[1], len(words)))
+        start = rng.randint(0, len(words) - length)
+        words = words[start : start + length]
+        draw = rng.random()
+        if draw < 0.5:
+            sentence, question, answer = made_up_fact(rng)
+            at = rng.randint(0, len(words))
+            words = words[:at] + sentence.split() + words[at:]
+            pairs.append({"context": " ".join(words), "suffix": f"\n\nQuestion: {question}\nAnswer: {answer}"})
+            continue
+        chunk = {"context": " ".join(words), "continuation": " " + " ".join(words[:16])}
+        pair = as_question_pair(chunk, rng, cue_words=4) if draw < 0.8 else as_recall_pair(chunk, rng)
+        pairs.append({"context": pair["context"], "suffix": pair["continuation"]})
+    return pairs
+
+
 class ContextContinuationDataset(Dataset):
     """Pairs from the offline corpus, one split of it.
 

@@ -1,0 +1,406 @@
+"""Fitting a translator's dedicated layers (`MoTConfig.dedicated_layers`) to what the target's attention does there.
+
+Retrieval over a long context happens in a few target layers (Gemma 3's three full-attention layers): given its
+own keys and values there, and translated ones everywhere else, the target answers as well as after reading the
+context itself. The fit has two steps, both layer-local, so neither runs the models while it optimises:
+
+1. **A ridge start.** Per dedicated layer, a closed-form least-squares map from what the dedicated path reads (the
+   chosen source layers, aligned to target tokens, and the target's token embedding) to what the rest of the
+   translator gets wrong: the target's own position-free keys and values less the translator's.
+2. **Attention distillation.** The target's own queries at the positions after a context (questions, answers and
+   continuations) attend over the translated context keys and values, next to the target's own keys and values of
+   those positions. The loss is the KL from the target's own attention distribution plus the relative error of the
+   attention output, per layer. A least-squares fit alone shrinks keys toward their mean and flattens attention,
+   which is where retrieval dies; this step trains on what retrieval uses.
+
+Only the dedicated maps change; the rest of the translator stays as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..alignment import encode_contexts
+from ..kv import _attention, apply_rope, cast, finish_target_keys, read_source_cache
+from ..mixture import rms_normalize
+from ..modeling_mot import MoTTranslator
+from ..pipeline import read_into_cache, read_source_and_align, run_translator
+
+
+@dataclass
+class LayerFitRecord:
+    """One (context, suffix) pair, as the fit needs it. `L` dedicated layers, `T` context tokens, `S` suffix tokens.
+
+    Attributes:
+        key_inputs / value_inputs: what the key and value paths read, `(T, in_features)` (float16 to save memory).
+        base_keys / base_values: the translator's position-free output without the dedicated maps (and before any
+            key normalisation), `(L, T, features)`.
+        native_keys: the target's own position-free keys of the context, `(L, T, features)`.
+        native_values: the target's own values of context and suffix, `(L, T + S, features)`.
+        finished_keys: the target's own cached keys (key norm and RoPE applied) of context and suffix, `(L, kv_heads,
+            T + S, head_dim)`.
+        queries: the target's queries at the suffix positions, RoPE applied, `(L, heads, S, head_dim)`.
+    """
+
+    key_inputs: torch.Tensor
+    value_inputs: torch.Tensor
+    base_keys: torch.Tensor
+    base_values: torch.Tensor
+    native_keys: torch.Tensor
+    native_values: torch.Tensor
+    finished_keys: torch.Tensor
+    queries: torch.Tensor
+
+    @property
+    def context_tokens(self) -> int:
+        return self.base_keys.shape[1]
+
+
+def check_fit_layers(translator: MoTTranslator) -> list[int]:
+    """The translator's dedicated layers, or a `ValueError` saying why it cannot be fitted."""
+    config = translator.config
+    if not config.dedicated_layers:
+        raise ValueError(
+            "The translator has no `dedicated_layers` to fit: `hf-mot fit-layers` adds them (`--layers`)."
+        )
+    kinds = config.target_layout.layer_types
+    sliding = [i for i in config.dedicated_layers if kinds and kinds[i] != "full_attention"]
+    if sliding:
+        raise ValueError(
+            f"Dedicated layers {sliding} are {kinds[sliding[0]]} layers: the fit models full causal attention over "
+            "the whole context. Dedicate the target's full-attention layers."
+        )
+    return list(config.dedicated_layers)
+
+
+@contextlib.contextmanager
+def dedicated_maps_off(translator: MoTTranslator):
+    """Run the translator as if it had no dedicated maps: they add zero, and no key is normalised."""
+    mixtures = [translator.key_mixture, translator.value_mixture]
+    saved = [(m.dedicated.weight.detach().clone(), m.dedicated.bias.detach().clone(), m.normalized_layers)
+             for m in mixtures]
+    with torch.no_grad():
+        for m in mixtures:
+            m.dedicated.weight.zero_()
+            m.dedicated.bias.zero_()
+            m.normalized_layers = set()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (weight, bias, normalized) in zip(mixtures, saved, strict=True):
+                m.dedicated.weight.copy_(weight)
+                m.dedicated.bias.copy_(bias)
+                m.normalized_layers = normalized
+
+
+@contextlib.contextmanager
+def _capture_queries(model: PreTrainedModel, layers: list[int]):
+    """Record each layer's queries as its attention uses them (projection, query norm if any, RoPE)."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for index in layers:
+        attention = _attention(model, index)
+
+        def hook(module, args, kwargs, index=index):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
+            queries = module.q_proj(hidden).unflatten(-1, (-1, module.head_dim)).transpose(1, 2)
+            norm = getattr(module, "q_norm", None)
+            captured[index] = apply_rope(norm(queries) if norm is not None else queries, cos, sin)
+
+        handles.append(attention.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _layer_features(out, layers: list[int], values: bool) -> torch.Tensor:
+    """The translator's output for `layers` of one context, `(L, tokens, features)`."""
+    found = {}
+    for block_layers, block in zip(out.block_layers, out.value_blocks if values else out.key_blocks, strict=True):
+        for j, layer in enumerate(block_layers):
+            if layer in layers:
+                found[layer] = block[j, 0].transpose(0, 1).flatten(1)  # (heads, tokens, dim) -> (tokens, features)
+    return torch.stack([found[layer] for layer in layers])
+
+
+@torch.no_grad()
+def record_pair(
+    translator: MoTTranslator,
+    source_model: PreTrainedModel,
+    source_tokenizer: PreTrainedTokenizerBase,
+    target_model: PreTrainedModel,
+    target_tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    suffix: str,
+) -> LayerFitRecord:
+    """What the fit needs of one context and the text after it (a question and its answer, or a continuation)."""
+    layers = check_fit_layers(translator)
+    source_enc = encode_contexts(source_tokenizer, [context], source_model.device)
+    target_enc = encode_contexts(target_tokenizer, [context], target_model.device)
+    source, alignment = read_source_and_align(source_model, source_tokenizer, target_tokenizer, source_enc,
+                                              target_enc)
+    with dedicated_maps_off(translator):
+        out = run_translator(translator, source, alignment, target_model, target_enc.input_ids,
+                             target_enc.attention_mask)
+    embeddings = None
+    if translator.config.target_embedding_size is not None:
+        embeddings = target_model.get_input_embeddings()(target_enc.input_ids)
+    inputs = [
+        mixture.dedicated.inputs(cast(states.flatten(-2), translator.dtype), alignment, embeddings)[0]
+        for mixture, states in ((translator.key_mixture, source.keys), (translator.value_mixture, source.values))
+    ]
+    suffix_ids = target_tokenizer(suffix, add_special_tokens=False, return_tensors="pt").input_ids
+    if suffix_ids.shape[1] == 0:
+        raise ValueError(f"The suffix {suffix!r} has no tokens: the fit needs query positions after the context.")
+    ids = torch.cat([target_enc.input_ids, suffix_ids.to(target_enc.input_ids.device)], dim=1)
+    tokens = target_enc.input_ids.shape[1]
+    cache = DynamicCache()  # no config: every layer keeps every token
+    with _capture_queries(target_model, layers) as queries:
+        read_into_cache(target_model, cache, ids, torch.ones_like(ids))
+    native = read_source_cache(cache, target_model, torch.ones_like(ids))
+    every = torch.tensor(layers, device=ids.device)
+    return LayerFitRecord(
+        key_inputs=inputs[0].half(),
+        value_inputs=inputs[1].half(),
+        base_keys=_layer_features(out, layers, values=False).float(),
+        base_values=_layer_features(out, layers, values=True).float(),
+        native_keys=native.keys[0, :tokens].index_select(1, every).flatten(2).transpose(0, 1).float(),
+        native_values=native.values[0].index_select(1, every).flatten(2).transpose(0, 1).float(),
+        finished_keys=torch.stack([cache.layers[i].keys[0] for i in layers]).float(),
+        queries=torch.stack([queries[i][0, :, tokens:] for i in layers]).float(),
+    )
+
+
+@torch.no_grad()
+def ridge_start(translator: MoTTranslator, records: list[LayerFitRecord], ridge: float = 1e-3) -> None:
+    """Set the dedicated maps to the least-squares fit of the translator's residual error on `records`.
+
+    `ridge` is the penalty relative to the mean diagonal of the inputs' Gram matrix. The first context token is left
+    out: the target's own states replace its translation (`pipeline.first_token_states`).
+    """
+    for path, inputs, base, native in (
+        (translator.key_mixture.dedicated, "key_inputs", "base_keys", "native_keys"),
+        (translator.value_mixture.dedicated, "value_inputs", "base_values", "native_values"),
+    ):
+        size = path.in_features + 1  # a column of ones fits the bias
+        gram = torch.zeros(size, size, dtype=torch.float64)
+        cross = torch.zeros(size, path.weight.shape[0] * path.weight.shape[2], dtype=torch.float64)
+        for record in records:
+            tokens = record.context_tokens
+            x = getattr(record, inputs)[1:].double()
+            x = torch.cat([x, x.new_ones(len(x), 1)], dim=1)
+            residual = getattr(record, native)[:, 1:tokens] - getattr(record, base)[:, 1:]
+            y = residual.transpose(0, 1).flatten(1).double()  # (tokens, L * features)
+            gram += x.T @ x
+            cross += x.T @ y
+        penalty = ridge * gram.diagonal()[:-1].mean()
+        gram.diagonal()[:-1].add_(penalty)
+        solution = torch.linalg.solve(gram, cross).float().unflatten(1, (path.weight.shape[0], -1))
+        path.weight.copy_(solution[:-1].transpose(0, 1))
+        path.bias.copy_(solution[-1])
+
+
+def attention_error(translator: MoTTranslator, target_model: PreTrainedModel, record: LayerFitRecord):
+    """Per dedicated layer, the KL from the target's own attention distribution at the suffix positions to the one
+    over the translated context, and the relative error of the attention output: two `(L,)` tensors."""
+    config = translator.config
+    layers = config.dedicated_layers
+    layout = config.target_layout
+    tokens = record.context_tokens
+    first = torch.zeros(1, tokens, 1, device=record.base_keys.device)
+    first[0, 0] = 1.0  # the target's own states replace the first token's translation
+    translated = []
+    for mixture, inputs, base, native in (
+        (translator.key_mixture, record.key_inputs, record.base_keys, record.native_keys),
+        (translator.value_mixture, record.value_inputs, record.base_values, record.native_values[:, :tokens]),
+    ):
+        added = mixture.dedicated(cast(inputs, translator.dtype)[None], list(range(len(layers))))[0]
+        states = base + added.transpose(0, 1).float()  # (L, T, features)
+        if mixture.normalized_layers:
+            states = rms_normalize(states, layout.head_dim)
+        translated.append(first * native + (1 - first) * states)
+    keys, values = (s.unflatten(-1, (layout.num_kv_heads, layout.head_dim)).transpose(1, 2) for s in translated)
+    positions = torch.arange(tokens, device=keys.device)[None]
+    keys = finish_target_keys(target_model, list(layers), keys[:, None], positions)[:, 0].float()
+    keys = torch.cat([keys, record.finished_keys[:, :, tokens:]], dim=2)
+    values = torch.cat([values, record.native_values[:, tokens:].unflatten(-1, (layout.num_kv_heads, -1))
+                        .transpose(1, 2)], dim=2)
+    native_values = record.native_values.unflatten(-1, (layout.num_kv_heads, -1)).transpose(1, 2)
+    visible = torch.ones(record.queries.shape[2], tokens + record.queries.shape[2], dtype=torch.bool,
+                         device=keys.device).tril(tokens)
+    with torch.no_grad():
+        native_log_probs, native_out = suffix_attention(target_model, layers[0], record.queries,
+                                                        record.finished_keys, native_values)
+    log_probs, out = suffix_attention(target_model, layers[0], record.queries, keys, values)
+    gap = (native_log_probs - log_probs).masked_fill(~visible, 0.0)  # no -inf - -inf where nothing is visible
+    kl = (native_log_probs.exp() * gap).sum(-1).mean((1, 2))
+    error = (out - native_out).pow(2).sum((1, 2, 3)) / native_out.pow(2).sum((1, 2, 3)).clamp_min(1e-12)
+    return kl, error
+
+
+def suffix_attention(
+    target_model: PreTrainedModel, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention of `layer` (the scale and logit cap of its own module) from suffix `queries` `(L, heads, S,
+    dim)` over `keys`/`values` `(L, kv_heads, T + S, dim)`, causal over the suffix: the log-probabilities `(L,
+    heads, S, T + S)` and the output `(L, heads, S, dim)`."""
+    attention = _attention(target_model, layer)
+    softcap = getattr(target_model.config.get_text_config(decoder=True), "attn_logit_softcapping", None)
+    suffix, total = queries.shape[2], keys.shape[2]
+    visible = torch.ones(suffix, total, dtype=torch.bool, device=keys.device).tril(total - suffix)
+    groups = queries.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    logits = queries @ keys.transpose(-1, -2) * attention.scaling
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    log_probs = logits.masked_fill(~visible, float("-inf")).log_softmax(-1)
+    return log_probs, log_probs.exp() @ values
+
+
+def mean_attention_error(translator, target_model, records: list[LayerFitRecord]) -> dict[str, list[float]]:
+    """`attention_error` averaged over `records`, per dedicated layer."""
+    with torch.no_grad():
+        parts = [attention_error(translator, target_model, record) for record in records]
+    return {"kl": torch.stack([p[0] for p in parts]).mean(0).tolist(),
+            "output_error": torch.stack([p[1] for p in parts]).mean(0).tolist()}
+
+
+def distill_attention(
+    translator: MoTTranslator,
+    target_model: PreTrainedModel,
+    train: list[LayerFitRecord],
+    validation: list[LayerFitRecord],
+    *,
+    epochs: int = 4,
+    learning_rate: float = 1e-4,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict]:
+    """Train the dedicated maps on `attention_error` (KL plus output error, every layer alike), one record per
+    step, with a cosine learning rate. Keeps the epoch with the lowest validation loss.
+
+    Returns one dict per epoch: its validation KL and output error per layer, and their mean (`loss`).
+    """
+    paths = [translator.key_mixture.dedicated, translator.value_mixture.dedicated]
+    params = [p for path in paths for p in path.parameters()]
+    frozen = [p for p in translator.parameters() if all(p is not q for q in params)]
+    for p in frozen:
+        p.requires_grad_(False)
+    optimizer = torch.optim.Adam(params, lr=learning_rate)
+    steps, step = epochs * len(train), 0
+    rng = random.Random(seed)
+    history, best, best_loss = [], None, math.inf
+    try:
+        for epoch in range(epochs):
+            order = list(range(len(train)))
+            rng.shuffle(order)
+            for index in tqdm(order, desc=f"distill epoch {epoch + 1}/{epochs}", disable=not progress):
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate * 0.5 * (1 + math.cos(math.pi * step / steps))
+                kl, error = attention_error(translator, target_model, train[index])
+                loss = kl.mean() + error.mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                step += 1
+            scores = mean_attention_error(translator, target_model, validation)
+            scores["loss"] = sum(scores["kl"]) / len(scores["kl"]) + sum(scores["output_error"]) / len(
+                scores["output_error"])
+            history.append({"epoch": epoch + 1, **scores})
+            if scores["loss"] < best_loss:
+                best_loss, best = scores["loss"], [copy.deepcopy(path.state_dict()) for path in paths]
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    for path, state in zip(paths, best, strict=True):
+        path.load_state_dict(state)
+    return history
+
+
+def default_source_layers(num_layers: int, count: int = 10) -> list[int]:
+    """`count` source layers evenly spaced, counting down from the last."""
+    step = max(num_layers // count, 1)
+    return sorted(range(num_layers - 1, -1, -step))[-count:]
+
+
+def with_dedicated_layers(
+    translator: MoTTranslator, layers: list[int], source_layers: list[int], key_norm: bool
+) -> MoTTranslator:
+    """A copy of `translator` with (zero) dedicated maps for `layers`, reading `source_layers`: it translates exactly
+    as `translator` does until they are fitted (apart from key normalisation, with `key_norm`)."""
+    if translator.config.architecture != "mixture":
+        raise ValueError("Dedicated layers need a mixture translator (`architecture='mixture'`).")
+    if translator.config.dedicated_layers:
+        raise ValueError(
+            f"The translator already has dedicated layers {translator.config.dedicated_layers}: fit them again "
+            "with `--keep-layers`, or start from a translator without them."
+        )
+    config = copy.deepcopy(translator.config)
+    config.dedicated_layers, config.dedicated_source_layers = list(layers), list(source_layers)
+    config.dedicated_key_norm = key_norm
+    config._check_dedicated_layers()
+    widened = MoTTranslator(config).to(device=translator.device, dtype=translator.dtype)
+    missing, unexpected = widened.load_state_dict(translator.state_dict(), strict=False)
+    if unexpected or any(".dedicated." not in name for name in missing):
+        raise RuntimeError(f"Adding dedicated layers changed other weights: {missing}, {unexpected}.")
+    return widened.eval()
+
+
+def fit_dedicated_layers(
+    translator: MoTTranslator,
+    source_model: PreTrainedModel,
+    source_tokenizer: PreTrainedTokenizerBase,
+    target_model: PreTrainedModel,
+    target_tokenizer: PreTrainedTokenizerBase,
+    *,
+    pairs: int = 240,
+    validation_pairs: int = 24,
+    context_words: tuple[int, int] = (200, 1100),
+    ridge: float = 1e-3,
+    epochs: int = 4,
+    learning_rate: float = 1e-4,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Fit `translator`'s dedicated maps in place: a ridge start, then attention distillation (module docstring).
+
+    Training pairs come from the training split of the corpus, validation pairs from its validation split
+    (`hf_mot.training.data.retrieval_pairs`). Returns a report: the validation attention error per dedicated layer
+    without the maps, after the ridge start and after distillation, and the distillation's epochs.
+    """
+    from .data import retrieval_pairs
+
+    layers = check_fit_layers(translator)
+    for name, value in (("pairs", pairs), ("validation_pairs", validation_pairs), ("epochs", epochs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a whole number >= 1, got {value!r}.")
+
+    def records(split, count, seed):
+        chosen = retrieval_pairs(count, context_words=context_words, seed=seed, split=split)
+        return [record_pair(translator, source_model, source_tokenizer, target_model, target_tokenizer,
+                            p["context"], p["suffix"])
+                for p in tqdm(chosen, desc=f"reading {split} pairs", disable=not progress)]
+
+    train, validation = records("train", pairs, seed), records("validation", validation_pairs, seed + 1)
+    report = {"layers": layers, "pairs": pairs, "validation_pairs": validation_pairs,
+              "context_tokens": sum(r.context_tokens for r in train)}
+    with dedicated_maps_off(translator):
+        report["without"] = mean_attention_error(translator, target_model, validation)
+    ridge_start(translator, train, ridge)
+    report["ridge"] = mean_attention_error(translator, target_model, validation)
+    report["epochs"] = distill_attention(translator, target_model, train, validation, epochs=epochs,
+                                         learning_rate=learning_rate, seed=seed, progress=progress)
+    report["distilled"] = mean_attention_error(translator, target_model, validation)
+    return report

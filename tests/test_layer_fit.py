@@ -1,0 +1,155 @@
+"""Dedicated layers (`MoTConfig.dedicated_layers`) and their fit (`hf_mot.training.layer_fit`), on tiny models."""
+
+import pytest
+import torch
+from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, identity_translator, tiny_model
+
+from hf_mot import MoTConfig, MoTTranslator, translate_context
+from hf_mot.kv import decoder_layers
+from hf_mot.training.layer_fit import (
+    LayerFitRecord,
+    attention_error,
+    check_fit_layers,
+    fit_dedicated_layers,
+    record_pair,
+    ridge_start,
+    suffix_attention,
+    with_dedicated_layers,
+)
+
+FULL = [1]  # the tiny Gemma 3's one full-attention layer
+
+
+def _pair_translator():
+    char, bpe = char_tokenizer(), bpe_tokenizer()
+    source, target = tiny_model("llama"), tiny_model("gemma3", seed=1)
+    torch.manual_seed(0)
+    config = MoTConfig.from_models(source.config, target.config, source_tokenizer=char,
+                                   target_tokenizer=bpe, hidden_size=16, expert_hidden_size=16)
+    return source, target, MoTTranslator(config).eval(), char, bpe
+
+
+def _cache_layers(cache):
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def test_dedicated_layers_start_as_the_translator_they_extend():
+    source, target, translator, char, bpe = _pair_translator()
+    models = dict(source_model=source, source_tokenizer=char, target_model=target, target_tokenizer=bpe)
+    before = _cache_layers(translate_context(CONTEXTS[0], translator=translator, **models))
+    plain = with_dedicated_layers(translator, FULL, [0, 1], key_norm=False)
+    assert sum(p.numel() for p in plain.key_mixture.dedicated.parameters()) > 0
+    for (k, v), (k2, v2) in zip(before, _cache_layers(translate_context(CONTEXTS[0], translator=plain, **models)),
+                                strict=True):
+        torch.testing.assert_close(k2, k)
+        torch.testing.assert_close(v2, v)
+
+    # Normalised keys: only the dedicated layer's keys change, to unit RMS per head before the key norm's scale.
+    normed = with_dedicated_layers(translator, FULL, [0, 1], key_norm=True)
+    with torch.no_grad():
+        normed.key_mixture.dedicated.bias.normal_()  # something to normalise away
+        normed.value_mixture.dedicated.bias.normal_()
+    out = normed(*_source_kv(source, char, bpe, target, normed))
+    for layers, block in zip(out.block_layers, out.key_blocks, strict=True):
+        for j, layer in enumerate(layers):
+            rms = block[j, :, :, 1:].pow(2).mean(-1).sqrt()  # the first token is placed later
+            if layer in FULL:
+                torch.testing.assert_close(rms, torch.ones_like(rms), atol=1e-4, rtol=0)
+    after = _cache_layers(translate_context(CONTEXTS[0], translator=normed, **models))
+    for index, ((k, v), (k2, v2)) in enumerate(zip(before, after, strict=True)):
+        assert torch.equal(k, k2) == (index not in FULL)
+        assert torch.equal(v, v2) == (index not in FULL)
+
+
+def _source_kv(source, source_tokenizer, target_tokenizer, target, translator):
+    from hf_mot.alignment import encode_contexts
+    from hf_mot.pipeline import read_source_and_align
+
+    source_enc = encode_contexts(source_tokenizer, [CONTEXTS[0]])
+    target_enc = encode_contexts(target_tokenizer, [CONTEXTS[0]])
+    kv, alignment = read_source_and_align(source, source_tokenizer, target_tokenizer, source_enc, target_enc)
+    embeddings = target.get_input_embeddings()(target_enc.input_ids)
+    return kv.keys, kv.values, alignment, embeddings
+
+
+def test_config_refuses_bad_dedicated_layers():
+    config = tiny_model("llama").config
+    target = tiny_model("gemma3").config
+    with pytest.raises(ValueError, match="dedicated_source_layers"):
+        MoTConfig.from_models(config, target, dedicated_layers=[1])
+    with pytest.raises(ValueError, match=r"in \[0, 3\)"):
+        MoTConfig.from_models(config, target, dedicated_layers=[3], dedicated_source_layers=[0])
+    with pytest.raises(ValueError, match="increasing"):
+        MoTConfig.from_models(config, target, dedicated_layers=[1], dedicated_source_layers=[1, 0])
+    with pytest.raises(ValueError, match="need `dedicated_layers`"):
+        MoTConfig.from_models(config, target, dedicated_key_norm=True)
+    translator = MoTTranslator(MoTConfig.from_models(config, target, dedicated_layers=[0],
+                                                     dedicated_source_layers=[0]))
+    with pytest.raises(ValueError, match="sliding_attention layers"):
+        check_fit_layers(translator)
+
+
+def test_record_reads_the_targets_own_attention():
+    tokenizer = bpe_tokenizer()
+    """The queries the fit captures, with the target's own keys and values, give the layer's own attention output;
+    and an exact translation (the identity) has no attention error."""
+    model = tiny_model("gemma3")
+    translator = with_dedicated_layers(identity_translator(model, tokenizer), FULL, [0, 2], key_norm=False)
+    suffix = "\n\nQuestion: what was it?\nAnswer: the cat"
+    seen = {}
+    attention = decoder_layers(model)[FULL[0]].self_attn
+
+    def keep(module, args, out):  # the last call is the pass over context and suffix
+        seen["in"] = args[0]
+
+    handle = attention.o_proj.register_forward_hook(keep)
+    try:
+        record = record_pair(translator, model, tokenizer, model, tokenizer, CONTEXTS[1], suffix)
+    finally:
+        handle.remove()
+    tokens, heads = record.context_tokens, attention.config.num_attention_heads
+    assert record.queries.shape[2] == len(tokenizer(suffix, add_special_tokens=False).input_ids)
+    values = record.native_values.unflatten(-1, (model.config.num_key_value_heads, -1)).transpose(1, 2)
+    _, out = suffix_attention(model, FULL[0], record.queries, record.finished_keys, values)
+    own = seen["in"][0, tokens:].unflatten(-1, (heads, -1)).transpose(0, 1)
+    torch.testing.assert_close(out[0], own, atol=1e-5, rtol=1e-4)
+
+    kl, error = attention_error(translator, model, record)
+    assert kl.abs().max() < 1e-5 and error.max() < 1e-8
+
+
+def test_ridge_start_recovers_a_planted_map():
+    _, _, translator, _, _ = _pair_translator()
+    translator = with_dedicated_layers(translator, FULL, [0, 1], key_norm=False)
+    path = translator.key_mixture.dedicated
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(path.weight.shape, generator=generator)
+    bias = torch.randn(path.bias.shape, generator=generator)
+    records = []
+    for tokens in (40, 50, 60):
+        inputs = torch.randn(tokens, path.in_features, generator=generator).half()
+        base = torch.randn(1, tokens, path.weight.shape[2], generator=generator)
+        native = base + (torch.einsum("tf,lfo->lto", inputs.float(), weight) + bias[:, None])
+        records.append(LayerFitRecord(
+            key_inputs=inputs, value_inputs=inputs, base_keys=base, base_values=base, native_keys=native,
+            native_values=native, finished_keys=torch.zeros(1), queries=torch.zeros(1),
+        ))
+    ridge_start(translator, records, ridge=1e-9)
+    for fitted in (translator.key_mixture.dedicated, translator.value_mixture.dedicated):
+        torch.testing.assert_close(fitted.weight, weight, atol=2e-3, rtol=0)
+        torch.testing.assert_close(fitted.bias, bias, atol=2e-3, rtol=0)
+
+
+def test_fit_lowers_the_attention_error():
+    source, target, translator, char, bpe = _pair_translator()
+    translator = with_dedicated_layers(translator, FULL, [0, 1], key_norm=True)
+    report = fit_dedicated_layers(translator, source, char, target, bpe, pairs=12,
+                                  validation_pairs=4, context_words=(20, 40), epochs=3, learning_rate=1e-3,
+                                  progress=False)
+
+    def loss(stage):
+        return report[stage]["kl"][0] + report[stage]["output_error"][0]
+
+    assert loss("distilled") < 0.9 * loss("without")
+    assert loss("distilled") <= min(epoch["loss"] for epoch in report["epochs"]) + 1e-6
+    assert torch.count_nonzero(translator.key_mixture.dedicated.weight) > 0
