@@ -15,6 +15,9 @@ condition's time to give the target its context (median over contexts, bootstrap
 cache given, and also counting the source's own prefill. Times include tokenizing and aligning; answers are
 greedy and not timed.
 
+`--compare NAME=PATH` adds other translators at pure translation (r = 0), side by side on the same contexts (the
+source cache and the native answers are shared).
+
 Tasks: `synthetic` (extractive QA over made-up people, one question per document), `needle` (a made-up fact at
 10/50/90% depth of a Wikipedia article cut to each `--needle-lengths`), `quac` (first questions of QuAC
 dialogues) and `reuse` (multi-agent reuse: a document read once, 8 questions answered from copies of its cache;
@@ -82,7 +85,7 @@ def _answers(questions, target, target_tok, cache, mask) -> list[float]:
 
 
 @torch.no_grad()
-def measure(item, budgets, translator, source, source_tok, target, target_tok) -> dict:
+def measure(item, budgets, translator, source, source_tok, target, target_tok, compare=None) -> dict:
     task, context, questions = item
     row = {"task": task, "questions": [q.question for q in questions]}
     target_enc = encode_contexts(target_tok, [context])
@@ -93,6 +96,12 @@ def measure(item, budgets, translator, source, source_tok, target, target_tok) -
     row["no_context"] = [answer(q, target, target_tok)["score"] for q in questions]
     source_enc = encode_contexts(source_tok, [context])
     source_cache, row["source_seconds"] = _timed(lambda: prefill_source(source, source_enc))
+    for name, other in (compare or {}).items():
+        cache, seconds = _timed(lambda other=other: translate_context(
+            context, translator=other, source_model=source, source_tokenizer=source_tok, target_model=target,
+            target_tokenizer=target_tok, source_cache=source_cache, recompute=0.0))
+        row[name] = {"scores": _answers(questions, target, target_tok, cache, cache.attention_mask),
+                     "seconds": seconds}
     for r in budgets:
         cache, seconds = _timed(lambda r=r: translate_context(
             context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
@@ -122,7 +131,7 @@ def _bootstrap(values_fn, n: int, resamples: int, seed: int) -> tuple[float, flo
     return stats[int(0.025 * resamples)], stats[int(0.975 * resamples) - 1]
 
 
-def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000) -> dict:
+def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, compare: tuple[str, ...] = ()) -> dict:
     """Per task (and all tasks pooled): per condition mean score, retention and speed-ups, with intervals."""
     tasks = sorted({r["task"] for r in rows}) + ["all"]
     out = {}
@@ -149,7 +158,7 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000) -> 
                         resamples, 1)
             return entry
 
-        names = ["no_context"] + [f"recompute={r:g}" for r in budgets]
+        names = ["no_context", *compare] + [f"recompute={r:g}" for r in budgets]
         names += [f"control {r:g}" for r in budgets if all(f"control {r:g}" in row for row in chosen)]
         out[task] = {"contexts": len(chosen), "questions": sum(len(r["native"]) for r in chosen),
                      "context_tokens": statistics.median(r["context_tokens"] for r in chosen),
@@ -159,12 +168,13 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000) -> 
     return out
 
 
-def table(summary: dict, budgets: list[float]) -> str:
+def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = ()) -> str:
     lines = ["| task | contexts | tokens | native score | setting | score | retention [95% CI] | speed-up [95% CI] "
              "| with source prefill |", "|---|---|---|---|---|---|---|---|---|"]
     for task, s in summary.items():
         head = f"| {task} | {s['contexts']} | {s['context_tokens']:.0f} | {s['native_score']:.3f} "
-        for name in ["no_context"] + [f"{kind}{r:g}" for r in budgets for kind in ("recompute=", "control ")]:
+        settings = [f"{kind}{r:g}" for r in budgets for kind in ("recompute=", "control ")]
+        for name in ["no_context", *compare, *settings]:
             if name not in s:
                 continue
             e = s[name]
@@ -176,7 +186,7 @@ def table(summary: dict, budgets: list[float]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, budgets: list[float], path: Path) -> Path | None:
+def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ...] = ()) -> Path | None:
     plt = pyplot()
     if plt is None:
         return None
@@ -205,6 +215,11 @@ def plot(summary: dict, budgets: list[float], path: Path) -> Path | None:
                         label="translate + recompute" if kind == "recompute=" else "control: recompute only")
             for x, y, (_, r) in zip(xs, ys, points, strict=True):
                 ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        for name in compare:
+            e = s[name]
+            ax.errorbar([e["speedup"]], [100 * e["retention"]], fmt="D", capsize=2, label=name,
+                        yerr=[[100 * (e["retention"] - e["retention_interval"][0])],
+                              [100 * (e["retention_interval"][1] - e["retention"])]])
         ax.plot([1.0], [100.0], "k*", markersize=10, label="native (re-read)")
         ax.axhline(100 * s["no_context"]["retention"], color="grey", linewidth=0.8, linestyle=":", label="no context")
         ax.set_xscale("log")
@@ -233,37 +248,45 @@ def main() -> None:
     parser.add_argument("--needles", type=int, default=21, help="needle contexts per length (a multiple of 3)")
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--reuse-documents", type=int, default=4, help="documents of 8 questions each")
+    parser.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
+                        help="another translator, measured at r = 0 beside the dial (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/quality_dial.json"))
     args = parser.parse_args()
+    if any("=" not in spec for spec in args.compare):
+        parser.error("--compare takes NAME=PATH, e.g. --compare fitted=runs/fitted.")
     if any(not 0 <= r < 1 for r in args.budgets):
         parser.error(f"--budgets must lie in [0, 1): 1 is the native point, always measured; got {args.budgets}.")
 
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
     translator = MoTTranslator.from_pretrained(args.translator).eval()
+    compare = {name: MoTTranslator.from_pretrained(path).eval()
+               for name, path in (spec.split("=", 1) for spec in args.compare)}
+    names = tuple(compare)
     items = _items(args, target_tok)
     # Once untimed first: the first calls pay one-off costs (kernel selection, allocations, the first-token cache).
-    measure(items[0], args.budgets, translator, source, source_tok, target, target_tok)
+    measure(items[0], args.budgets, translator, source, source_tok, target, target_tok, compare)
     rows = []
 
     def report(complete: bool) -> dict:
-        summary = summarize(rows, args.budgets)
+        summary = summarize(rows, args.budgets, compare=names)
         return {
             "command": "python " + " ".join(sys.argv), "machine": machine_info(), "complete": complete,
-            "models": {"source": args.source, "target": args.target, "translator": args.translator},
-            "budgets": args.budgets, "summary": summary, "table": table(summary, args.budgets), "rows": rows,
+            "models": {"source": args.source, "target": args.target, "translator": args.translator,
+                       "compare": dict(spec.split("=", 1) for spec in args.compare)},
+            "budgets": args.budgets, "summary": summary, "table": table(summary, args.budgets, names), "rows": rows,
         }
 
     for item in tqdm(items, desc="contexts"):
-        rows.append(measure(item, args.budgets, translator, source, source_tok, target, target_tok))
+        rows.append(measure(item, args.budgets, translator, source, source_tok, target, target_tok, compare))
         if len(rows) % 10 == 0:  # a long run that is stopped keeps what it measured, marked incomplete
             write_json_atomically(args.output, report(complete=False))
     final = report(complete=True)
     print(final["table"])
     write_json_atomically(args.output, final)
     summary = final["summary"]
-    figure = plot(summary, args.budgets, args.output.with_suffix(".png"))
+    figure = plot(summary, args.budgets, args.output.with_suffix(".png"), names)
     print(f"wrote {args.output}" + (f" and {figure}" if figure else ""))
 
 

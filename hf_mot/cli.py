@@ -179,7 +179,12 @@ def _fit_layers(args: argparse.Namespace) -> None:
     import tempfile
 
     from .kv import key_norm
-    from .training.layer_fit import default_source_layers, fit_dedicated_layers, with_dedicated_layers
+    from .training.layer_fit import (
+        LAYER_FIT_RECORD,
+        default_source_layers,
+        fit_dedicated_layers,
+        with_dedicated_layers,
+    )
 
     output = Path(args.output_dir)
     if output.exists() and any(output.iterdir()):
@@ -206,7 +211,7 @@ def _fit_layers(args: argparse.Namespace) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
     try:
         translator.save_pretrained(staging)
-        (staging / "layer_fit.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        (staging / LAYER_FIT_RECORD).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         if output.exists():
             output.rmdir()
         os.replace(staging, output)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from hf_mot import MoTTranslator
 from hf_mot.data import TRAINING_DATASETS
-from hf_mot.hub import SHIPPED_TRANSLATORS
+from hf_mot.hub import SHIPPED_TRANSLATORS, shipped_translator_dir
 from hf_mot.model_card import DEFAULT_USAGE_PROMPT, render_model_card
+from hf_mot.training.layer_fit import LAYER_FIT_RECORD
 from hf_mot.training.train import INTERPOLATION_RECORD, RECORD
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,9 +61,38 @@ def _added_paths(folder: Path, parent: str | None) -> str:
     return text
 
 
+def _fit_phase(run: Path) -> tuple[str, str]:
+    """The phase line of an `hf-mot fit-layers` run, and the translator it started from."""
+    fit = json.loads((run / LAYER_FIT_RECORD).read_text())
+    config = json.loads((run / "config.json").read_text())
+
+    def per_layer(stage, key):
+        return "/".join(f"{value:.3f}" for value in fit[stage][key])
+
+    line = (f"- `{fit['command']}`: dedicated maps for target layers {fit['layers']}, reading source layers "
+            f"{config['dedicated_source_layers']} and the target's token embedding"
+            + (", keys RMS-normalised" if config.get("dedicated_key_norm") else "")
+            + f"; ridge start, then {len(fit['epochs'])} epochs of attention distillation on {fit['pairs']} pairs "
+            f"({fit['context_tokens']} context tokens). Validation attention KL per layer {per_layer('without', 'kl')}"
+            f" -> {per_layer('distilled', 'kl')}, attention-output error {per_layer('without', 'output_error')} -> "
+            f"{per_layer('distilled', 'output_error')}. The rest of the translator is unchanged.")
+    return line, fit["started_from"]
+
+
 def describe_phases(run: Path) -> list[str]:
     """One line per training phase (a run started `--init-from` another adds a phase), oldest first; an
-    interpolated translator (scripts/interpolate_translator.py) lists its run's phases and then that step."""
+    interpolated translator (scripts/interpolate_translator.py) lists its run's phases and then that step, a
+    translator from `hf-mot fit-layers` those of the translator it started from and then the fit."""
+    if (run / LAYER_FIT_RECORD).exists():
+        line, parent = _fit_phase(run)
+        shipped = shipped_translator_dir(parent)
+        before = Path(shipped if shipped is not None else parent)
+        if (before / RECORD).exists() or (before / INTERPOLATION_RECORD).exists():
+            return [*describe_phases(before), line]
+        card = before / "README.md"
+        if not card.is_file():
+            raise FileNotFoundError(f"{card} is missing: the model card needs the phases of {parent}.")
+        return [row for row in card.read_text().splitlines() if row.startswith(PHASE_PREFIXES)] + [line]
     if (run / INTERPOLATION_RECORD).exists():
         record = json.loads((run / INTERPOLATION_RECORD).read_text())
         averaged = len(record.get("runs", [record["run"]]))
@@ -111,7 +141,7 @@ def describe_phases(run: Path) -> list[str]:
 
 
 # How the phase lines of `describe_phases` start: a training run or an interpolation.
-PHASE_PREFIXES = ("- `hf-mot train ", "- `python scripts/interpolate_translator.py ")
+PHASE_PREFIXES = ("- `hf-mot train ", "- `python scripts/interpolate_translator.py ", "- `hf-mot fit-layers ")
 
 
 def _phase_command(line: str) -> str:
@@ -138,9 +168,11 @@ def main() -> None:
     translator = MoTTranslator.from_pretrained(args.run)
     interpolation = args.run / INTERPOLATION_RECORD
     trained = Path(json.loads(interpolation.read_text())["run"]) if interpolation.exists() else args.run
-    state = json.loads((trained / "trainer_state.json").read_text()) if (trained / "trainer_state.json").exists() \
-        else json.loads(sorted(trained.glob("checkpoint-*/trainer_state.json"))[-1].read_text())
-    history = [row for row in state["log_history"] if "loss" in row]
+    history = None
+    if not (args.run / LAYER_FIT_RECORD).exists():
+        state = json.loads((trained / "trainer_state.json").read_text()) if (trained / "trainer_state.json").exists() \
+            else json.loads(sorted(trained.glob("checkpoint-*/trainer_state.json"))[-1].read_text())
+        history = [row for row in state["log_history"] if "loss" in row]
     parameters = sum(p.numel() for p in translator.parameters())
 
     training = (
@@ -152,9 +184,11 @@ def main() -> None:
         "On 2 CPU cores, in fp32 unless a phase says bf16 autocast (the weights are stored in float16 and load "
         "as float32):\n\n"
         + "\n".join(describe_phases(args.run))
-        + f"\n\nFinal logged losses{' of the last training phase' if trained != args.run else ''}: "
-        f"NLL {history[-1]['nll']:.3f}, KV {history[-1]['kv']:.3f}, "
-        f"KL {history[-1]['kl']:.3f}."
+        + (f"\n\nFinal logged losses{' of the last training phase' if trained != args.run else ''}: "
+           f"NLL {history[-1]['nll']:.3f}, KV {history[-1]['kv']:.3f}, KL {history[-1]['kl']:.3f}."
+           if history else "\n\nThe last phase (`hf-mot fit-layers`) fits the dedicated maps layer by layer, on the "
+           "target's own attention at question, answer and continuation positions after each context "
+           "(`hf_mot.training.layer_fit`); it trains nothing else.")
     )
     fidelity, evaluation, overall = None, "Not evaluated yet.", None
     if args.fidelity is not None:

@@ -105,22 +105,26 @@ def made_up_fact(rng: random.Random) -> tuple[str, str, str]:
 
 
 def retrieval_pairs(
-    count: int, *, context_words: tuple[int, int] = (200, 1100), seed: int = 0, split: str = "train"
+    count: int, *, context_words: tuple[int, int] = (200, 1100), seed: int = 0, part: str = "fit"
 ) -> list[dict]:
     """(context, suffix) pairs whose suffix reads the context back from anywhere in it, for fitting the layers
     retrieval lives in (`hf_mot.training.layer_fit`).
 
-    Contexts are cut from the training corpus (one split of it). Half carry a made-up fact at a random depth and
-    end in a question about it with its answer, in the evaluation's QA frame; 30% ask for the words after a cue
-    (`as_question_pair`); the rest repeat a span of the context (`as_recall_pair`).
+    Contexts are cut from the training split of the corpus, never from its validation split (where the reported
+    fidelity pairs come from). `part="fit"` and `part="check"` take disjoint documents of it: 90% and 10%, by a
+    hash. Half the pairs carry a made-up fact at a random depth and end in a question about it with its answer,
+    in the evaluation's QA frame; 30% ask for the words after a cue (`as_question_pair`); the rest repeat a span
+    of the context (`as_recall_pair`).
     """
-    if split not in ("train", "validation"):
-        raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}.")
+    if part not in ("fit", "check"):
+        raise ValueError(f"`part` must be 'fit' or 'check', got {part!r}.")
     if not 20 <= context_words[0] <= context_words[1]:
         raise ValueError(f"`context_words` must be (min, max) with 20 <= min <= max, got {context_words}.")
     rng = random.Random(seed)
+    wanted = "validation" if part == "check" else "train"
     documents = [d for docs in training_documents().values() for d in docs
-                 if document_split(d, 5) == split and len(d.split()) >= context_words[0]]
+                 if document_split(d, 5) == "train" and document_split("fit:" + d, 10) == wanted
+                 and len(d.split()) >= context_words[0]]
     pairs = []
     for _ in range(count):
         words = rng.choice(documents).split()

@@ -34,6 +34,9 @@ from ..mixture import rms_normalize
 from ..modeling_mot import MoTTranslator
 from ..pipeline import read_into_cache, read_source_and_align, run_translator
 
+# What `hf-mot fit-layers` writes next to the translator: the fit's command, settings and attention errors.
+LAYER_FIT_RECORD = "layer_fit.json"
+
 
 @dataclass
 class LayerFitRecord:
@@ -376,9 +379,10 @@ def fit_dedicated_layers(
 ) -> dict:
     """Fit `translator`'s dedicated maps in place: a ridge start, then attention distillation (module docstring).
 
-    Training pairs come from the training split of the corpus, validation pairs from its validation split
-    (`hf_mot.training.data.retrieval_pairs`). Returns a report: the validation attention error per dedicated layer
-    without the maps, after the ridge start and after distillation, and the distillation's epochs.
+    Training and validation pairs come from disjoint documents of the corpus's training split
+    (`hf_mot.training.data.retrieval_pairs`): the validation split, where reported fidelity comes from, stays
+    unseen. Returns a report: the validation attention error per dedicated layer without the maps, after the ridge
+    start and after distillation, and the distillation's epochs.
     """
     from .data import retrieval_pairs
 
@@ -387,13 +391,13 @@ def fit_dedicated_layers(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a whole number >= 1, got {value!r}.")
 
-    def records(split, count, seed):
-        chosen = retrieval_pairs(count, context_words=context_words, seed=seed, split=split)
+    def records(part, count, seed):
+        chosen = retrieval_pairs(count, context_words=context_words, seed=seed, part=part)
         return [record_pair(translator, source_model, source_tokenizer, target_model, target_tokenizer,
                             p["context"], p["suffix"])
-                for p in tqdm(chosen, desc=f"reading {split} pairs", disable=not progress)]
+                for p in tqdm(chosen, desc=f"reading {part} pairs", disable=not progress)]
 
-    train, validation = records("train", pairs, seed), records("validation", validation_pairs, seed + 1)
+    train, validation = records("fit", pairs, seed), records("check", validation_pairs, seed + 1)
     report = {"layers": layers, "pairs": pairs, "validation_pairs": validation_pairs,
               "context_tokens": sum(r.context_tokens for r in train)}
     with dedicated_maps_off(translator):
