@@ -209,6 +209,9 @@ def _fit_layers(args: argparse.Namespace) -> None:
     report["started_from"] = translator_name
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the folder it becomes is not
     try:
         translator.save_pretrained(staging)
         (staging / LAYER_FIT_RECORD).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -109,13 +109,13 @@ def test_record_reads_the_targets_own_attention():
         handle.remove()
     tokens, heads = record.context_tokens, attention.config.num_attention_heads
     assert record.queries.shape[2] == len(tokenizer(suffix, add_special_tokens=False).input_ids)
-    values = record.native_values.unflatten(-1, (model.config.num_key_value_heads, -1)).transpose(1, 2)
-    _, out = suffix_attention(model, FULL[0], record.queries, record.finished_keys, values)
+    values = record.native_values.float().unflatten(-1, (model.config.num_key_value_heads, -1)).transpose(1, 2)
+    _, out = suffix_attention(model, FULL[0], record.queries, record.finished_keys.float(), values)
     own = seen["in"][0, tokens:].unflatten(-1, (heads, -1)).transpose(0, 1)
-    torch.testing.assert_close(out[0], own, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out[0], own, atol=2e-3, rtol=2e-3)  # the record keeps keys and values in float16
 
     kl, error = attention_error(translator, model, record)
-    assert kl.abs().max() < 1e-5 and error.max() < 1e-8
+    assert kl.abs().max() < 1e-4 and error.max() < 1e-4
 
 
 def test_ridge_start_recovers_a_planted_map():

@@ -111,10 +111,10 @@ def retrieval_pairs(
     retrieval lives in (`hf_mot.training.layer_fit`).
 
     Contexts are cut from the training split of the corpus, never from its validation split (where the reported
-    fidelity pairs come from). `part="fit"` and `part="check"` take disjoint documents of it: 90% and 10%, by a
-    hash. Half the pairs carry a made-up fact at a random depth and end in a question about it with its answer,
-    in the evaluation's QA frame; 30% ask for the words after a cue (`as_question_pair`); the rest repeat a span
-    of the context (`as_recall_pair`).
+    fidelity pairs come from); a context longer than its document goes on into other documents. `part="fit"` and
+    `part="check"` take disjoint documents of it: 90% and 10%, by a hash. Half the pairs carry a made-up fact at a
+    random depth and end in a question about it with its answer, in the evaluation's QA frame; 30% ask for the
+    words after a cue (`as_question_pair`); the rest repeat a span of the context (`as_recall_pair`).
     """
     if part not in ("fit", "check"):
         raise ValueError(f"`part` must be 'fit' or 'check', got {part!r}.")
@@ -127,10 +127,13 @@ def retrieval_pairs(
                  and len(d.split()) >= context_words[0]]
     pairs = []
     for _ in range(count):
+        # Documents follow one another until the context is long enough: most are shorter than long contexts.
+        length = rng.randint(*context_words)
         words = rng.choice(documents).split()
-        length = rng.randint(context_words[0], min(context_words[1], len(words)))
-        start = rng.randint(0, len(words) - length)
-        words = words[start : start + length]
+        words = words[rng.randint(0, max(len(words) - length, 0)):]
+        while len(words) < length:
+            words += rng.choice(documents).split()
+        words = words[:length]
         draw = rng.random()
         if draw < 0.5:
             sentence, question, answer = made_up_fact(rng)

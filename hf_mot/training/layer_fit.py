@@ -42,8 +42,8 @@ LAYER_FIT_RECORD = "layer_fit.json"
 class LayerFitRecord:
     """One (context, suffix) pair, as the fit needs it. `L` dedicated layers, `T` context tokens, `S` suffix tokens.
 
-    Attributes:
-        key_inputs / value_inputs: what the key and value paths read, `(T, in_features)` (float16 to save memory).
+    The context-long tensors are stored in float16: long contexts make many of them. Attributes:
+        key_inputs / value_inputs: what the key and value paths read, `(T, in_features)`.
         base_keys / base_values: the translator's position-free output without the dedicated maps (and before any
             key normalisation), `(L, T, features)`.
         native_keys: the target's own position-free keys of the context, `(L, T, features)`.
@@ -177,11 +177,11 @@ def record_pair(
     return LayerFitRecord(
         key_inputs=inputs[0].half(),
         value_inputs=inputs[1].half(),
-        base_keys=_layer_features(out, layers, values=False).float(),
-        base_values=_layer_features(out, layers, values=True).float(),
-        native_keys=native.keys[0, :tokens].index_select(1, every).flatten(2).transpose(0, 1).float(),
-        native_values=native.values[0].index_select(1, every).flatten(2).transpose(0, 1).float(),
-        finished_keys=torch.stack([cache.layers[i].keys[0] for i in layers]).float(),
+        base_keys=_layer_features(out, layers, values=False).half(),
+        base_values=_layer_features(out, layers, values=True).half(),
+        native_keys=native.keys[0, :tokens].index_select(1, every).flatten(2).transpose(0, 1).half(),
+        native_values=native.values[0].index_select(1, every).flatten(2).transpose(0, 1).half(),
+        finished_keys=torch.stack([cache.layers[i].keys[0] for i in layers]).half(),
         queries=torch.stack([queries[i][0, :, tokens:] for i in layers]).float(),
     )
 
@@ -204,7 +204,7 @@ def ridge_start(translator: MoTTranslator, records: list[LayerFitRecord], ridge:
             tokens = record.context_tokens
             x = getattr(record, inputs)[1:].double()
             x = torch.cat([x, x.new_ones(len(x), 1)], dim=1)
-            residual = getattr(record, native)[:, 1:tokens] - getattr(record, base)[:, 1:]
+            residual = getattr(record, native)[:, 1:tokens].float() - getattr(record, base)[:, 1:].float()
             y = residual.transpose(0, 1).flatten(1).double()  # (tokens, L * features)
             gram += x.T @ x
             cross += x.T @ y
@@ -225,27 +225,28 @@ def attention_error(translator: MoTTranslator, target_model: PreTrainedModel, re
     first = torch.zeros(1, tokens, 1, device=record.base_keys.device)
     first[0, 0] = 1.0  # the target's own states replace the first token's translation
     translated = []
+    native_values = record.native_values.float()
     for mixture, inputs, base, native in (
-        (translator.key_mixture, record.key_inputs, record.base_keys, record.native_keys),
-        (translator.value_mixture, record.value_inputs, record.base_values, record.native_values[:, :tokens]),
+        (translator.key_mixture, record.key_inputs, record.base_keys, record.native_keys.float()),
+        (translator.value_mixture, record.value_inputs, record.base_values, native_values[:, :tokens]),
     ):
         added = mixture.dedicated(cast(inputs, translator.dtype)[None], list(range(len(layers))))[0]
-        states = base + added.transpose(0, 1).float()  # (L, T, features)
+        states = base.float() + added.transpose(0, 1).float()  # (L, T, features)
         if mixture.normalized_layers:
             states = rms_normalize(states, layout.head_dim)
         translated.append(first * native + (1 - first) * states)
     keys, values = (s.unflatten(-1, (layout.num_kv_heads, layout.head_dim)).transpose(1, 2) for s in translated)
     positions = torch.arange(tokens, device=keys.device)[None]
     keys = finish_target_keys(target_model, list(layers), keys[:, None], positions)[:, 0].float()
-    keys = torch.cat([keys, record.finished_keys[:, :, tokens:]], dim=2)
-    values = torch.cat([values, record.native_values[:, tokens:].unflatten(-1, (layout.num_kv_heads, -1))
-                        .transpose(1, 2)], dim=2)
-    native_values = record.native_values.unflatten(-1, (layout.num_kv_heads, -1)).transpose(1, 2)
+    native_keys = record.finished_keys.float()
+    keys = torch.cat([keys, native_keys[:, :, tokens:]], dim=2)
+    native_values = native_values.unflatten(-1, (layout.num_kv_heads, -1)).transpose(1, 2)
+    values = torch.cat([values, native_values[:, :, tokens:]], dim=2)
     visible = torch.ones(record.queries.shape[2], tokens + record.queries.shape[2], dtype=torch.bool,
                          device=keys.device).tril(tokens)
     with torch.no_grad():
-        native_log_probs, native_out = suffix_attention(target_model, layers[0], record.queries,
-                                                        record.finished_keys, native_values)
+        native_log_probs, native_out = suffix_attention(target_model, layers[0], record.queries, native_keys,
+                                                        native_values)
     log_probs, out = suffix_attention(target_model, layers[0], record.queries, keys, values)
     gap = (native_log_probs - log_probs).masked_fill(~visible, 0.0)  # no -inf - -inf where nothing is visible
     kl = (native_log_probs.exp() * gap).sum(-1).mean((1, 2))
