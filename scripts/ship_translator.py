@@ -92,7 +92,9 @@ def describe_phases(run: Path) -> list[str]:
         card = before / "README.md"
         if not card.is_file():
             raise FileNotFoundError(f"{card} is missing: the model card needs the phases of {parent}.")
-        return [row for row in card.read_text().splitlines() if row.startswith(PHASE_PREFIXES)] + [line]
+        # Shipped into the package it started from, the package's card already lists the fit: once is enough.
+        return [row for row in card.read_text().splitlines()
+                if row.startswith(PHASE_PREFIXES) and _phase_command(row) != _phase_command(line)] + [line]
     if (run / INTERPOLATION_RECORD).exists():
         record = json.loads((run / INTERPOLATION_RECORD).read_text())
         averaged = len(record.get("runs", [record["run"]]))

@@ -142,7 +142,28 @@ def test_push_uploads_to_the_hub(dirs, hub):
     assert {"config.json", "model.safetensors", "README.md"} <= set(repo.resolve("v1").files)
 
 
+def test_fit_layers_writes_a_fitted_translator(dirs, tmp_path):
+    import json
+
+    output = tmp_path / "fitted"
+    pair = ("--source", dirs / "src", "--target", dirs / "tgt", "--translator", dirs / "translator")
+    result = _hf_mot("fit-layers", *pair, "--output-dir", output, "--pairs", 4, "--validation-pairs", 2,
+                     "--context-words", 20, 30, "--epochs", 1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    fitted = MoTTranslator.from_pretrained(output)
+    # The tiny Gemma 3's one full-attention layer, and its key norm.
+    assert fitted.config.dedicated_layers == [1] and fitted.config.dedicated_key_norm
+    assert fitted.key_mixture.dedicated.weight.abs().sum() > 0
+    report = json.loads((output / "layer_fit.json").read_text())
+    assert report["command"].startswith("hf-mot fit-layers") and len(report["distilled"]["kl"]) == 1
+    assert "distilled: attention KL per layer" in result.stdout
+
+    again = _hf_mot("fit-layers", *pair, "--output-dir", output)
+    assert again.returncode == 1 and "is not empty" in again.stderr.strip().splitlines()[-1]
+    assert (output / "layer_fit.json").read_text() == json.dumps(report, indent=2) + "\n"
+
+
 def test_every_subcommand_has_help():
-    for command in ("generate", "translate", "train", "evaluate", "push", "info"):
+    for command in ("generate", "translate", "train", "evaluate", "push", "info", "fit-layers"):
         result = _hf_mot(command, "--help")
         assert result.returncode == 0 and "usage:" in result.stdout, (command, result.stderr[-500:])

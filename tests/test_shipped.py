@@ -163,3 +163,26 @@ def test_card_phase_of_averaged_checkpoints(tmp_path):
     phases = ship.describe_phases(mean)
     assert phases[:-1] == ship.describe_phases(run)
     assert "0.6667 x the mean of 2 of the last phase's checkpoints + 0.3333 x those it started from" in phases[-1]
+
+
+def test_card_phase_of_a_layer_fit(tmp_path):
+    ship = _ship_script()
+    package, _, card, _ = _run_started_from_the_shipped_package(tmp_path)
+    fitted = tmp_path / "fitted"
+    fitted.mkdir()
+    command = f"hf-mot fit-layers --translator {package} --output-dir {fitted}"
+    stage = {"kl": [1.0, 0.5, 0.25], "output_error": [0.7, 0.5, 0.2]}
+    (fitted / "layer_fit.json").write_text(json.dumps({
+        "command": command, "started_from": str(package), "layers": [5, 11, 17], "pairs": 240,
+        "context_tokens": 1234, "without": stage, "epochs": [{}, {}],
+        "distilled": {"kl": [0.3, 0.2, 0.1], "output_error": [0.2, 0.1, 0.05]}}))
+    (fitted / "config.json").write_text(json.dumps({"dedicated_source_layers": [2, 5], "dedicated_key_norm": True}))
+    shipped_phases = [line for line in card.splitlines() if line.startswith(ship.PHASE_PREFIXES)]
+    phases = ship.describe_phases(fitted)
+    assert phases[:-1] == shipped_phases
+    assert phases[-1].startswith(f"- `{command}`: dedicated maps for target layers [5, 11, 17], reading source layers "
+                                 "[2, 5]")
+    assert "2 epochs" in phases[-1] and "1.000/0.500/0.250 -> 0.300/0.200/0.100" in phases[-1]
+    # Shipped into the package it started from, then packaged again: the fit is listed once.
+    (package / "README.md").write_text(card + "\n" + phases[-1] + "\n")
+    assert ship.describe_phases(fitted) == phases
