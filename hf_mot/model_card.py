@@ -43,6 +43,11 @@ def render_model_card(
         f", a depth-matched path from {config.depth_matched_layers} source layers per target layer"
         if config.depth_matched_layers else ""
     )
+    if config.dedicated_layers:
+        depth_matched += (
+            f", maps of their own for target layers {config.dedicated_layers} reading source layers "
+            f"{config.dedicated_source_layers}" + (" (keys RMS-normalised)" if config.dedicated_key_norm else "")
+        )
     eval_results = []
     for mode, summary in (fidelity or {}).items():
         for metric, key in (("gap_closed", "gap_closed"), ("top1_agreement", "top1_agreement")):

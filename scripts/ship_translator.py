@@ -69,7 +69,9 @@ def _fit_phase(run: Path) -> tuple[str, str]:
     def per_layer(stage, key):
         return "/".join(f"{value:.3f}" for value in fit[stage][key])
 
-    line = (f"- `{fit['command']}`: dedicated maps for target layers {fit['layers']}, reading source layers "
+    # A fit made by an hf_mot whose pair sampling has changed since names the commit that reproduces it.
+    where = f" (hf_mot at commit {fit['hf_mot_commit']})" if "hf_mot_commit" in fit else ""
+    line = (f"- `{fit['command']}`{where}: dedicated maps for target layers {fit['layers']}, reading source layers "
             f"{config['dedicated_source_layers']} and the target's token embedding"
             + (", keys RMS-normalised" if config.get("dedicated_key_norm") else "")
             + f"; ridge start, then {len(fit['epochs'])} epochs of attention distillation on {fit['pairs']} pairs "
@@ -157,6 +159,8 @@ def main() -> None:
     parser.add_argument("--fidelity", type=Path, help="JSON written by benchmarks/lm_fidelity.py (omit: no results)")
     parser.add_argument("--fidelity-entry", default="shipped", help="name of this translator in that JSON")
     parser.add_argument("--evaluation", type=Path, help="evaluation.json written by `hf-mot evaluate` (optional)")
+    parser.add_argument("--dial", type=Path,
+                        help="JSON written by benchmarks/quality_dial.py with this translator (optional): its table")
     parser.add_argument("--repo-id", required=True, choices=sorted(SHIPPED_TRANSLATORS))
     parser.add_argument("--source", required=True, help="load name of the source model")
     parser.add_argument("--target", required=True, help="load name of the target model")
@@ -215,6 +219,11 @@ def main() -> None:
                "(`translate_context(..., native_tail=K)`)." if any("+tail" in m for m in modes) else "")
             + "\n\n" + "\n".join(lines)
         )
+    if args.dial is not None:
+        dial = json.loads(args.dial.read_text())
+        evaluation += (f"\n\nQA retention of the target's own answers, with the speed-up over its prefill "
+                       f"(`{dial['command']}`; `recompute=0` is this translator. {dial.get('note', '')}):\n\n"
+                       + dial["table"])
     qa = None
     if args.evaluation is not None:
         report = json.loads(args.evaluation.read_text())
