@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument(
         "--usage-prompt", default=DEFAULT_USAGE_PROMPT,
         help="the prompt of the card's usage snippet, about its one-sentence document on the Eiffel Tower "
-        "(tests/test_shipped.py runs the snippet and checks that the answer names Gustave Eiffel)",
+        "(tests/test_shipped.py runs the snippet and checks that the answer names Eiffel, which the prompt does not)",
     )
     args = parser.parse_args()
 
