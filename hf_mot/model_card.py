@@ -39,12 +39,12 @@ def render_model_card(
     (from `hf_mot.evaluation.summarize`, keyed by mode) and `qa` (task -> summary from `hf-mot evaluate`'s
     `evaluation.json`) become the card's `model-index`."""
     source, target = config.source_layout, config.target_layout
-    depth_matched = (
+    paths = (
         f", a depth-matched path from {config.depth_matched_layers} source layers per target layer"
         if config.depth_matched_layers else ""
     )
     if config.dedicated_layers:
-        depth_matched += (
+        paths += (
             f", maps of their own for target layers {config.dedicated_layers} reading source layers "
             f"{config.dedicated_source_layers}" + (" (keys RMS-normalised)" if config.dedicated_key_norm else "")
         )
@@ -93,7 +93,7 @@ def render_model_card(
         translator_description=(
             f"{size}{config.num_experts} experts per mixture (top-{config.num_experts_per_token}), hidden size "
             f"{config.hidden_size}, expert width {config.expert_hidden_size}, reading all source layers"
-            f"{' and the target token embeddings' if config.target_embedding_size else ''}{depth_matched}, "
+            f"{' and the target token embeddings' if config.target_embedding_size else ''}{paths}, "
             f"every target layer translated; recommended `recompute` "
             f"{config.recompute:g} (what `translate_context(..., recompute=None)` uses)"
         ),
