@@ -191,12 +191,18 @@ def quality_dial() -> list[str]:
 
 
 def dedicated_layers() -> list[str]:
-    """The translator with fitted full-attention layers against the one it started from, side by side at r = 0."""
+    """The translator with fitted full-attention layers against the one it started from, side by side at r = 0
+    (and, from a second run, on 4,096-token needles)."""
     report = load_result("dedicated_layers.json")
     if report is None:
         return []
     machine = report["machine"]
     compared = ", ".join(f"`{name}` = `{path}`" for name, path in report["models"]["compare"].items())
+    longer = load_result("dedicated_layers_4096.json")
+    extra = [] if longer is None else [
+        f"On needles in 4,096-token passages (`{longer['command']}`; {longer.get('note', '')}):", "",
+        longer["table"], "",
+    ]
     return [
         "### Dedicated full-attention layers: QA retention, side by side",
         "",
@@ -209,6 +215,7 @@ def dedicated_layers() -> list[str]:
         "",
         "![dedicated layers](benchmarks/results/dedicated_layers.png)",
         "",
+        *extra,
     ]
 
 
