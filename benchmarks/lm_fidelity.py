@@ -27,7 +27,14 @@ from pathlib import Path
 import torch
 
 from hf_mot import MoTConfig, MoTTranslator, load_model
-from hf_mot.evaluation.fidelity import HELDOUT_PARTS, evaluate_fidelity, heldout_examples, summarize
+from hf_mot.evaluation.fidelity import (
+    HELDOUT_DOMAINS,
+    HELDOUT_PARTS,
+    PAIRS_PER_ARTICLE,
+    evaluate_fidelity,
+    heldout_examples,
+    summarize,
+)
 from hf_mot.evaluation.report import machine_info
 from hf_mot.files import write_json_atomically
 
@@ -57,8 +64,13 @@ def main() -> None:
     parser.add_argument("--part", choices=HELDOUT_PARTS, default="test",
                         help="held-out documents to cut pairs from: 'test' (the reported figures) or 'selection' "
                              "(disjoint from them: for choosing a checkpoint or a setting)")
+    parser.add_argument("--domain", choices=HELDOUT_DOMAINS, default="corpus",
+                        help="'corpus': the validation split, same domains as training (the reported figures); "
+                             "'wikipedia': long Wikipedia articles, a domain no training document comes from")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/lm_fidelity.json"))
     args = parser.parse_args()
+    if args.domain != "corpus" and args.output == parser.get_default("output"):
+        parser.error(f"--domain {args.domain} would replace the reported figures in {args.output}; pass --output.")
     if args.part == "selection" and args.output == parser.get_default("output"):
         parser.error("--part selection would replace the reported test-part figures in "
                      f"{args.output}; pass --output elsewhere (e.g. runs/selection.json).")
@@ -66,9 +78,10 @@ def main() -> None:
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
     examples = heldout_examples(
-        target_tok, tuple(args.lengths), args.per_length, args.continuation_tokens, part=args.part
+        target_tok, tuple(args.lengths), args.per_length, args.continuation_tokens, part=args.part,
+        domain=args.domain,
     )
-    if args.part == "selection":
+    if args.part == "selection" and args.domain == "corpus":
         reported = heldout_examples(target_tok, REPORTED_LENGTHS, REPORTED_PER_LENGTH, args.continuation_tokens)
         shared = {e.document for e in examples} & {e.document for e in reported}
         if shared:
@@ -161,9 +174,11 @@ def main() -> None:
         # 0.2; tables without this field were measured before, with it translated.
         "first_token": "target",
         "machine": machine_info(),
-        "source": args.source, "target": args.target, "part": args.part,
-        "data": "validation split of hf_mot.training.data (5% of documents by hash; never trained on), "
-                f"{args.part} part; {args.per_length} pairs per context length, "
+        "source": args.source, "target": args.target, "part": args.part, "domain": args.domain,
+        "data": ("validation split of hf_mot.training.data (5% of documents by hash; never trained on)"
+                 if args.domain == "corpus" else "gensim's Wikipedia articles (a domain no training document comes "
+                 f"from), at most {PAIRS_PER_ARTICLE} pairs per article and length")
+                + f", {args.part} part; {args.per_length} pairs per context length, "
                 f"{args.continuation_tokens}-token continuations",
         "window": args.window, "results": results, "table": table,
         "tail_only": {"tokens": args.native_tail, "overall": tail_overall, "by_length": tail_by_length}

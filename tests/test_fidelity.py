@@ -74,3 +74,20 @@ def test_selection_pairs_come_from_other_documents_than_the_test_pairs(gemma3):
     assert not {e.context for e in test} & {e.context for e in selection}
     with pytest.raises(ValueError, match="part"):
         heldout_examples(tokenizer, lengths=(64,), per_length=1, part="validation")
+
+
+@pytest.mark.real_models
+def test_wikipedia_pairs_are_another_domain_spread_over_articles(gemma3):
+    from collections import Counter
+
+    from hf_mot.evaluation import heldout_examples
+    from hf_mot.evaluation.fidelity import PAIRS_PER_ARTICLE
+
+    _, tokenizer = gemma3
+    pairs = heldout_examples(tokenizer, lengths=(64, 256), per_length=12, domain="wikipedia")
+    corpus = heldout_examples(tokenizer, lengths=(64,), per_length=12)
+    assert len(pairs) == 24 and {e.corpus for e in pairs} == {"wikipedia"}
+    assert max(Counter((e.document, e.context_tokens) for e in pairs).values()) <= PAIRS_PER_ARTICLE
+    assert not {e.context for e in pairs} & {e.context for e in corpus}
+    with pytest.raises(ValueError, match="domain"):
+        heldout_examples(tokenizer, lengths=(64,), per_length=1, domain="news")

@@ -21,12 +21,17 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .._compat import cache_kwarg
-from ..data import training_documents
+from ..data import training_documents, wikipedia_articles
 from ..modeling_mot import MoTTranslator
 from ..training.data import document_split
 from .qa import translated_conditions
 
 HELDOUT_PARTS = ("test", "selection")
+# Where held-out pairs come from: the corpus's validation split (same domains as training), or long Wikipedia
+# articles (gensim's test data), a domain no training document comes from.
+HELDOUT_DOMAINS = ("corpus", "wikipedia")
+# Wikipedia articles are long: without a cap a few of them would give every pair of a length.
+PAIRS_PER_ARTICLE = 4
 
 
 @dataclass
@@ -46,6 +51,7 @@ def heldout_examples(
     validation_percent: int = 5,
     seed: int = 0,
     part: str = "test",
+    domain: str = "corpus",
 ) -> list[FidelityExample]:
     """Pairs cut from the validation documents (never trained on), `per_length` for each context length in
     target tokens (BOS included).
@@ -53,15 +59,22 @@ def heldout_examples(
     The documents are shuffled once (`seed`); `part="test"` takes them from the front, `part="selection"` from
     the back, so that choosing a checkpoint or a setting on the selection part leaves the test pairs unseen as
     long as the two parts together need no more documents than there are (`FidelityExample.document` says
-    which document a pair came from, to check)."""
+    which document a pair came from, to check). `domain="wikipedia"` cuts them from long Wikipedia articles instead,
+    at most `PAIRS_PER_ARTICLE` per article and length: a domain no training document comes from."""
     if part not in HELDOUT_PARTS:
         raise ValueError(f"`part` must be one of {HELDOUT_PARTS}, got {part!r}.")
-    documents = [
-        (corpus, doc)
-        for corpus, docs in sorted(training_documents().items())
-        for doc in docs
-        if document_split(doc, validation_percent) == "validation"
-    ]
+    if domain not in HELDOUT_DOMAINS:
+        raise ValueError(f"`domain` must be one of {HELDOUT_DOMAINS}, got {domain!r}.")
+    if domain == "wikipedia":
+        documents = [("wikipedia", article) for article in wikipedia_articles()]
+    else:
+        documents = [
+            (corpus, doc)
+            for corpus, docs in sorted(training_documents().items())
+            for doc in docs
+            if document_split(doc, validation_percent) == "validation"
+        ]
+    cap = PAIRS_PER_ARTICLE if domain == "wikipedia" else None
     random.Random(seed).shuffle(documents)
     order = range(len(documents)) if part == "test" else range(len(documents) - 1, -1, -1)
     tokenized = [(i, documents[i][0], tokenizer(documents[i][1], add_special_tokens=False).input_ids) for i in order]
@@ -70,7 +83,7 @@ def heldout_examples(
         found = []
         for document, corpus, ids in tokenized:
             span = (length - 1) + continuation_tokens
-            for start in range(0, len(ids) - span + 1, span):
+            for start in list(range(0, len(ids) - span + 1, span))[:cap]:
                 context = tokenizer.decode(ids[start : start + length - 1])
                 continuation = ids[start + length - 1 : start + span]
                 found.append(FidelityExample(context, continuation, length, corpus, document))
