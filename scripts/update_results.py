@@ -78,7 +78,17 @@ def fidelity() -> list[str]:
         "",
         "![LM fidelity](benchmarks/results/lm_fidelity.png)",
         "",
+        *wikipedia_fidelity(),
     ]
+
+
+def wikipedia_fidelity() -> list[str]:
+    """LM fidelity on a domain no training document comes from (`lm_fidelity.py --domain wikipedia`)."""
+    report = load_result("lm_fidelity_wikipedia.json")
+    if report is None:
+        return []
+    return [f"On a held-out domain: {report['description']} `{report['command']}`; {report['data']}.", "",
+            report["table"], ""]
 
 
 def cost() -> list[str]:
