@@ -87,7 +87,7 @@ def wikipedia_fidelity() -> list[str]:
     report = load_result("lm_fidelity_wikipedia.json")
     if report is None:
         return []
-    return [f"On a held-out domain: {report['description']} `{report['command']}`; {report['data']}.", "",
+    return [f"{report['description']} `{report['command']}`; {report['data']}.", "",
             report["table"], ""]
 
 
