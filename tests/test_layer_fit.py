@@ -87,6 +87,8 @@ def test_config_refuses_bad_dedicated_layers():
                                                      dedicated_source_layers=[0]))
     with pytest.raises(ValueError, match="sliding_attention layers"):
         check_fit_layers(translator)
+    with pytest.raises(ValueError, match="no `dedicated_layers` to fit"):
+        check_fit_layers(MoTTranslator(MoTConfig.from_models(config, target)))
 
 
 def test_record_reads_the_targets_own_attention():
