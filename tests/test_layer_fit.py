@@ -87,8 +87,11 @@ def test_config_refuses_bad_dedicated_layers():
                                                      dedicated_source_layers=[0]))
     with pytest.raises(ValueError, match="sliding_attention layers"):
         check_fit_layers(translator)
+    plain = MoTTranslator(MoTConfig.from_models(config, target))
     with pytest.raises(ValueError, match="no `dedicated_layers` to fit"):
-        check_fit_layers(MoTTranslator(MoTConfig.from_models(config, target)))
+        check_fit_layers(plain)
+    with pytest.raises(ValueError, match="already has dedicated layers"):
+        with_dedicated_layers(with_dedicated_layers(plain, FULL, [0], key_norm=True), FULL, [0], key_norm=True)
 
 
 def test_record_reads_the_targets_own_attention():

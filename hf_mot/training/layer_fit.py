@@ -348,8 +348,8 @@ def with_dedicated_layers(
         raise ValueError("Dedicated layers need a mixture translator (`architecture='mixture'`).")
     if translator.config.dedicated_layers:
         raise ValueError(
-            f"The translator already has dedicated layers {translator.config.dedicated_layers}: fit them again "
-            "with `--keep-layers`, or start from a translator without them."
+            f"The translator already has dedicated layers {translator.config.dedicated_layers}: start from the "
+            "translator they were fitted on (its model card names it), which has none."
         )
     config = copy.deepcopy(translator.config)
     config.dedicated_layers, config.dedicated_source_layers = list(layers), list(source_layers)
