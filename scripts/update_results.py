@@ -246,6 +246,7 @@ def section() -> str:
         *dedicated_layers(),
         *quality_dial(),
         *fidelity(),
+        *cost(),
         # Until `--run` measures them again, the tables below describe the translator shipped before this one.
         *([f"The sections below were measured with the translator shipped before the dedicated layers ({BEFORE}); "
            "`python scripts/update_results.py --run` measures the shipped one.", ""] if BEFORE else []),
@@ -259,7 +260,6 @@ def section() -> str:
         "",
         "![long context](benchmarks/results/evaluation/evaluation.png)",
         "",
-        *cost(),
     ])
 
 
