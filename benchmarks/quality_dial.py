@@ -96,18 +96,18 @@ def measure(item, budgets, translator, source, source_tok, target, target_tok, c
     row["no_context"] = [answer(q, target, target_tok)["score"] for q in questions]
     source_enc = encode_contexts(source_tok, [context])
     source_cache, row["source_seconds"] = _timed(lambda: prefill_source(source, source_enc))
-    for name, other in (compare or {}).items():
-        cache, seconds = _timed(lambda other=other: translate_context(
-            context, translator=other, source_model=source, source_tokenizer=source_tok, target_model=target,
-            target_tokenizer=target_tok, source_cache=source_cache, recompute=0.0))
-        row[name] = {"scores": _answers(questions, target, target_tok, cache, cache.attention_mask),
-                     "seconds": seconds}
-    for r in budgets:
-        cache, seconds = _timed(lambda r=r: translate_context(
+
+    def translated(translator, r):
+        cache, seconds = _timed(lambda: translate_context(
             context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
             target_tokenizer=target_tok, source_cache=source_cache, recompute=r))
-        row[f"recompute={r:g}"] = {"scores": _answers(questions, target, target_tok, cache, cache.attention_mask),
-                                   "seconds": seconds, "native_tokens": cache.native_tokens}
+        return {"scores": _answers(questions, target, target_tok, cache, cache.attention_mask), "seconds": seconds,
+                "native_tokens": cache.native_tokens}
+
+    for name, other in (compare or {}).items():
+        row[name] = translated(other, 0.0)
+    for r in budgets:
+        row[f"recompute={r:g}"] = translated(translator, r)
         tail = int(r * tokens)
         if tail:
             # The control reads what the dial recomputes, after the BOS the target always starts from.

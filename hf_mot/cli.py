@@ -174,10 +174,9 @@ def _fit_layers(args: argparse.Namespace) -> None:
     at question, answer and continuation positions (hf_mot.training.layer_fit). The rest of the translator is kept.
     Writes the translator and layer_fit.json (the attention error per layer before and after) to --output-dir."""
     import json
-    import os
-    import shutil
     import tempfile
 
+    from .files import write_text_atomically
     from .kv import key_norm
     from .training.layer_fit import (
         LAYER_FIT_RECORD,
@@ -208,19 +207,14 @@ def _fit_layers(args: argparse.Namespace) -> None:
     report["command"] = "hf-mot " + " ".join(sys.argv[1:])
     report["started_from"] = translator_name
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the folder it becomes is not
-    try:
-        translator.save_pretrained(staging)
-        (staging / LAYER_FIT_RECORD).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    # Written whole into a folder beside the output, then renamed into place: a killed run leaves no half folder.
+    with tempfile.TemporaryDirectory(prefix=f".{output.name}-", dir=output.parent) as staging:
+        staged = Path(staging) / output.name
+        translator.save_pretrained(staged)
+        write_text_atomically(staged / LAYER_FIT_RECORD, json.dumps(report, indent=2) + "\n")
         if output.exists():
             output.rmdir()
-        os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        staged.rename(output)
     for stage in ("without", "ridge", "distilled"):
         kl = ", ".join(f"{k:.3f}" for k in report[stage]["kl"])
         error = ", ".join(f"{e:.3f}" for e in report[stage]["output_error"])

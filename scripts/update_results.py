@@ -238,7 +238,9 @@ def evaluation_caveat() -> list[str]:
             "`python scripts/update_results.py --run` measures the shipped one.", ""]
 
 
-def section() -> str:
+def section(before: str = BEFORE) -> str:
+    """The generated part; `before` names the translator the benchmarks `--run` redoes last measured, if not the
+    shipped one."""
     evaluation = (RESULTS / "evaluation" / "evaluation.md").read_text()
     return "\n".join([
         "Regenerate with `python scripts/update_results.py --run` (about 50 minutes on this machine).",
@@ -248,8 +250,8 @@ def section() -> str:
         *fidelity(),
         *cost(),
         # Until `--run` measures them again, the tables below describe the translator shipped before this one.
-        *([f"The sections below were measured with the translator shipped before the dedicated layers ({BEFORE}); "
-           "`python scripts/update_results.py --run` measures the shipped one.", ""] if BEFORE else []),
+        *([f"The sections below were measured with the translator shipped before the dedicated layers ({before}); "
+           "`python scripts/update_results.py --run` measures the shipped one.", ""] if before else []),
         *ablations(),
         *failure_modes(),
         *layer_attribution(),
@@ -268,8 +270,6 @@ def main() -> None:
     parser.add_argument("--run", action="store_true", help="run the benchmarks before rewriting the section")
     args = parser.parse_args()
     if args.run:
-        global BEFORE
-        BEFORE = ""
         for command in RUNS:
             print("+", " ".join(command), flush=True)
             subprocess.run(command, cwd=ROOT, check=True)
@@ -280,7 +280,8 @@ def main() -> None:
     head, rest = text.split(START, 1)
     tail = rest.split(END, 1)[1]
     # The page sits one folder down from the repository root that the figures' paths start at.
-    generated = section().replace("](benchmarks/", "](../benchmarks/").replace("\n### ", "\n## ")
+    generated = section("" if args.run else BEFORE)
+    generated = generated.replace("](benchmarks/", "](../benchmarks/").replace("\n### ", "\n## ")
     with tempfile.NamedTemporaryFile("w", dir=page.parent, delete=False, suffix=".tmp") as f:
         f.write(f"{head}{START}\n{generated}\n{END}{tail}")
     os.replace(f.name, page)

@@ -242,13 +242,12 @@ def attention_error(translator: MoTTranslator, target_model: PreTrainedModel, re
     keys = torch.cat([keys, native_keys[:, :, tokens:]], dim=2)
     native_values = native_values.unflatten(-1, (layout.num_kv_heads, -1)).transpose(1, 2)
     values = torch.cat([values, native_values[:, :, tokens:]], dim=2)
-    visible = torch.ones(record.queries.shape[2], tokens + record.queries.shape[2], dtype=torch.bool,
-                         device=keys.device).tril(tokens)
     with torch.no_grad():
         native_log_probs, native_out = suffix_attention(target_model, layers[0], record.queries, native_keys,
                                                         native_values)
     log_probs, out = suffix_attention(target_model, layers[0], record.queries, keys, values)
-    gap = (native_log_probs - log_probs).masked_fill(~visible, 0.0)  # no -inf - -inf where nothing is visible
+    # Keys a query cannot see have -inf on both sides: no -inf - -inf there.
+    gap = (native_log_probs - log_probs).masked_fill(native_log_probs.isinf(), 0.0)
     kl = (native_log_probs.exp() * gap).sum(-1).mean((1, 2))
     error = (out - native_out).pow(2).sum((1, 2, 3)) / native_out.pow(2).sum((1, 2, 3)).clamp_min(1e-12)
     return kl, error
