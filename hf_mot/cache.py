@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .files import write_safetensors_atomically
 from .kv import KVLayout
 
 
@@ -116,8 +116,6 @@ class TranslatedCache(DynamicCache):
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the cache to a safetensors file (written to a temporary file, then renamed)."""
-        from safetensors.torch import save_file
-
         tensors = {"attention_mask": self.attention_mask.contiguous()}
         lengths = []
         for index, layer in enumerate(self.layers):
@@ -129,15 +127,7 @@ class TranslatedCache(DynamicCache):
             "format": "hf_mot.TranslatedCache", "source_id": self.source_id, "target_id": self.target_id,
             "native_tokens": str(self.native_tokens), "seen_tokens": json.dumps(lengths),
         }
-        folder = os.path.dirname(os.path.abspath(path))
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as tmp:
-            pass
-        try:
-            save_file(tensors, tmp.name, metadata=metadata)
-            os.replace(tmp.name, path)
-        finally:
-            if os.path.exists(tmp.name):
-                os.unlink(tmp.name)
+        write_safetensors_atomically(path, tensors, metadata)
 
     @classmethod
     def load(cls, path: str | os.PathLike, config: PretrainedConfig, device=None) -> TranslatedCache:

@@ -117,13 +117,35 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _translate(args: argparse.Namespace) -> None:
-    """The source reads the context; the translated cache is saved to a safetensors file."""
+    """The source reads the context; the translated cache is saved to a safetensors file, or to a store that
+    vLLM serves it from (hf_mot.integrations.vllm)."""
     from . import translate_context
 
-    if not str(args.output).endswith(".safetensors"):
+    if args.output is not None and not str(args.output).endswith(".safetensors"):
         raise ValueError(f"--output must end in .safetensors, got {args.output}.")
+    if args.to_vllm_store is not None and (args.native_tail or args.recompute is not None):
+        raise ValueError(
+            "--to-vllm-store writes the whole translation; the connector applies the dial when it serves the entry "
+            "(its `recompute` setting, or the request's). Drop --native-tail/--recompute."
+        )
     context = _read_context(args)
     source, source_tok, target, target_tok, translator, _ = _load_pair(args)
+    if args.to_vllm_store is not None:
+        from .integrations.vllm_store import write_store_entries
+
+        start = time.perf_counter()
+        (path,) = write_store_entries(
+            args.to_vllm_store, context, translator=translator, source_model=source, source_tokenizer=source_tok,
+            target_model=target, target_tokenizer=target_tok,
+        )
+        seconds = time.perf_counter() - start
+        print(
+            f"wrote {path} ({seconds:.3f} s). Serve it with vLLM: kv_transfer_config={{'kv_connector': "
+            f"'MoTConnector', 'kv_connector_module_path': 'hf_mot.integrations.vllm', 'kv_role': 'kv_consumer', "
+            f"'kv_connector_extra_config': {{'store': '{args.to_vllm_store}'}}}} and the request's "
+            f"cache_salt='{path.parent.name}'."
+        )
+        return
     start = time.perf_counter()
     cache = translate_context(
         context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
@@ -309,7 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         "translate", help="save a translated cache to safetensors", description=_translate.__doc__
     )
     _add_pair_arguments(translate, context=True)
-    translate.add_argument("--output", required=True, help="where to write the cache (.safetensors)")
+    where = translate.add_mutually_exclusive_group(required=True)
+    where.add_argument("--output", help="where to write the cache (.safetensors)")
+    where.add_argument(
+        "--to-vllm-store", metavar="DIR",
+        help="write the cache into a store that vLLM serves it from (hf_mot.integrations.vllm.MoTConnector)",
+    )
     translate.set_defaults(func=_translate)
 
     evaluate = commands.add_parser("evaluate", help="QA, long-context, reuse and LM-fidelity evaluation",

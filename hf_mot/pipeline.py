@@ -279,6 +279,32 @@ def fill_translated_cache(
     return cache, dict(sorted(context_kv.items()))
 
 
+def encode_pair(
+    context: str | list[str],
+    translator: MoTTranslator,
+    source_model: PreTrainedModel,
+    source_tokenizer: PreTrainedTokenizerBase,
+    target_model: PreTrainedModel,
+    target_tokenizer: PreTrainedTokenizerBase,
+) -> tuple[EncodedContext, EncodedContext]:
+    """Check the contexts and the pair, and tokenize the contexts for both models (left-padded batches); a context
+    longer than either model holds is an error, never truncated."""
+    contexts = check_contexts(context)
+    translator.check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
+    for model in (source_model, target_model):
+        decoder_layers(model)  # a model that is not a supported decoder is named here, before any work
+    source_enc = encode_contexts(source_tokenizer, contexts, source_model.device)
+    target_enc = encode_contexts(target_tokenizer, contexts, target_model.device)
+    for side, model, encoded in (("target", target_model, target_enc), ("source", source_model, source_enc)):
+        limit = KVLayout.from_config(model.config).max_positions
+        if limit is not None and encoded.input_ids.shape[1] > limit:
+            raise ValueError(
+                f"`context` is {encoded.input_ids.shape[1]} {side} tokens long but the {side} model holds at most "
+                f"{limit}: shorten the context or split it; nothing is truncated silently."
+            )
+    return source_enc, target_enc
+
+
 def _recompute_share(recompute, native_tail: int, translator: MoTTranslator) -> float:
     """The share of a prefill the target spends reading the context (see `translate_context`)."""
     if recompute is None:
@@ -347,20 +373,8 @@ def translate_context(
     212
     ```
     """
-    contexts = check_contexts(context)
-    translator.check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
-    for model in (source_model, target_model):
-        decoder_layers(model)  # a model that is not a supported decoder is named here, before any work
-    device = source_model.device
-    source_enc = encode_contexts(source_tokenizer, contexts, device)
-    target_enc = encode_contexts(target_tokenizer, contexts, target_model.device)
-    for side, model, encoded in (("target", target_model, target_enc), ("source", source_model, source_enc)):
-        limit = KVLayout.from_config(model.config).max_positions
-        if limit is not None and encoded.input_ids.shape[1] > limit:
-            raise ValueError(
-                f"`context` is {encoded.input_ids.shape[1]} {side} tokens long but the {side} model holds at most "
-                f"{limit}: shorten the context or split it; nothing is truncated silently."
-            )
+    source_enc, target_enc = encode_pair(context, translator, source_model, source_tokenizer, target_model,
+                                         target_tokenizer)
     share = _recompute_share(recompute, native_tail, translator)
     if share == 1.0:
         return read_context(target_model, target_enc, source_id=source_model.config.name_or_path)

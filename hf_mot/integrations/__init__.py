@@ -1,0 +1,1 @@
+"""Serving engines that continue from translated caches (`hf_mot.integrations.vllm`)."""

@@ -1,0 +1,107 @@
+"""The store of translated caches that vLLM serves (`hf_mot.integrations.vllm_store`); no vLLM needed here.
+The connector itself is tested end to end in `test_vllm_connector.py`."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hf_mot import MoTTranslator, translate_context
+from hf_mot.integrations.vllm_store import (
+    ServedModel,
+    StoreEntryError,
+    checkpoint_fingerprint,
+    entry_name,
+    find_entry,
+    model_fingerprint,
+    read_header,
+    read_states,
+    write_store_entries,
+)
+from hf_mot.models import convert_embedded_model
+
+REPO_ID = "hf-mot/smollm2-135m-to-gemma3-270m"
+# Longer than Gemma 3's 512-token window, so the sliding-window layers are written past it.
+CONTEXT = " ".join(
+    f"In {1800 + i} the harbour of Aldmere shipped {i * 7} tonnes of salt to the river towns, and the ledger of that "
+    f"year names {i % 5 + 2} new captains." for i in range(24)
+)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, smollm2, gemma3):
+    (source, source_tok), (target, target_tok) = smollm2, gemma3
+    translator = MoTTranslator.from_pretrained(REPO_ID).eval()
+    store = tmp_path_factory.mktemp("store")
+    models = dict(translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
+                  target_tokenizer=target_tok)
+    (path,) = write_store_entries(store, CONTEXT, **models)
+    served = ServedModel(checkpoint_fingerprint(convert_embedded_model("gemma3-270m"), 18), 18, 1, 256)
+    return path, served, translate_context(CONTEXT, **models, recompute=0)
+
+
+def test_entry_holds_what_translate_context_caches(written):
+    path, served, cache = written
+    header = read_header(path, served)
+    keys, values = read_states(header)
+    tokens = len(header.token_ids)
+    assert tokens == cache.get_seq_length() > 512
+    assert keys.shape == values.shape == (18, tokens, 1, 256)
+    assert path.parent.name == header.metadata["namespace"] and path.parent.name.startswith("hf_mot-")
+    for index, layer in enumerate(cache.layers):
+        # (batch, heads, kept tokens, dim) in the cache; (tokens, heads, dim) in the entry, every token kept.
+        kept = layer.keys.shape[2]
+        assert kept == (tokens if index in (5, 11, 17) else 511)
+        torch.testing.assert_close(keys[index, tokens - kept:], layer.keys[0].transpose(0, 1))
+        torch.testing.assert_close(values[index, tokens - kept:], layer.values[0].transpose(0, 1))
+
+
+def test_served_model_fingerprint_matches_the_writer(written, gemma3, smollm2):
+    _, served, _ = written
+    assert model_fingerprint(gemma3[0].state_dict(), 18) == served.fingerprint
+    assert model_fingerprint(smollm2[0].state_dict(), 30) != served.fingerprint
+    # Weights in bfloat16 are the same checkpoint; a changed last layer is another revision.
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in gemma3[0].state_dict().items()}
+    assert model_fingerprint(state, 18) == served.fingerprint
+    state["model.layers.17.mlp.down_proj.weight"] = state["model.layers.17.mlp.down_proj.weight"] * 1.01
+    assert model_fingerprint(state, 18) != served.fingerprint
+
+
+def test_find_entry_takes_a_stored_context_that_the_prompt_continues(written):
+    path, served, _ = written
+    ids = list(read_header(path, served).token_ids)
+    store, space = path.parent.parent, path.parent.name
+    assert find_entry(store, space, ids + [1, 2]) == path
+    assert find_entry(store, space, ids) is None  # the engine must read at least one prompt token itself
+    assert find_entry(store, space, ids[:-1] + [ids[-1] + 1, 5]) is None
+    assert find_entry(store, "hf_mot-0000000000000000", ids + [1]) is None
+
+
+@pytest.mark.parametrize("damage", ["other_target", "truncated", "renamed", "other_shape", "not_finite"])
+def test_a_bad_entry_is_refused_with_a_reason(written, tmp_path, damage):
+    path, served, _ = written
+    bad = tmp_path / path.parent.name / path.name
+    bad.parent.mkdir()
+    shutil.copy(path, bad)
+    match = {"other_target": "another model or revision", "truncated": "not a readable safetensors",
+             "renamed": "do not match its name", "other_shape": "caches", "not_finite": "NaN or Inf"}[damage]
+    if damage == "other_target":
+        served = ServedModel("0123456789abcdef", 18, 1, 256)
+    elif damage == "truncated":
+        bad.write_bytes(path.read_bytes()[:-1000])
+    elif damage == "renamed":
+        bad = bad.rename(bad.parent / entry_name([2, 3, 4]))
+    elif damage == "other_shape":
+        served = ServedModel(served.fingerprint, 18, 2, 128)
+    else:
+        with safe_open(str(path), framework="pt") as f:
+            tensors, metadata = {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
+        tensors["values"][3, 7, 0, 0] = float("nan")
+        save_file(tensors, str(bad), metadata=metadata)
+        with pytest.raises(StoreEntryError, match=match):
+            read_states(read_header(bad, served))
+        return
+    with pytest.raises(StoreEntryError, match=match):
+        read_header(bad, served)
