@@ -137,10 +137,11 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
                 "MoTConnector needs kv_transfer_config kv_load_failure_policy='recompute': an entry found broken "
                 "while it is read must be recomputed by vLLM, not fail the request."
             )
-        if vllm_config.cache_config.cache_dtype != "auto":
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype != "auto":
             raise ValueError(
-                f"MoTConnector writes the model's own K/V dtype; kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}"
-                " is not supported: leave it at 'auto'."
+                f"MoTConnector writes the model's own K/V dtype; kv_cache_dtype={cache_dtype!r} is not supported: "
+                "leave it at 'auto'."
             )
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self._groups = [
