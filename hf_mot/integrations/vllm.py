@@ -28,8 +28,8 @@ translator's recommended value recorded in the entry.
 
 An entry that cannot be served (another target or revision, a corrupted or missing file, a prompt that does not
 start with its tokens, no salt while prefix caching is on) is refused with a log line and the request is
-prefilled normally. Values found broken only when the worker reads them are reported as failed blocks, which
-vLLM recomputes (`kv_load_failure_policy="recompute"`, which the connector requires).
+prefilled normally. Values found broken only when the worker reads them (NaN) are reported as a failed load,
+and vLLM prefills the request itself (`kv_load_failure_policy="recompute"`, which the connector requires).
 
 The K/V are written through the attention backend's own cache-write operation (`do_kv_cache_update`), so the
 paged layout (which on the CPU depends on the instruction set) is vLLM's business. Gemma 3's sliding-window
@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.logger import init_logger
@@ -73,7 +74,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# Under vLLM's logger, so that its handlers and VLLM_LOGGING_LEVEL apply to these lines too.
+logger = init_logger("vllm.hf_mot")
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # vLLM's block pool hands out block 0 as the null block: the placeholder for blocks a sliding-window group does
@@ -91,7 +93,6 @@ class _Load:
     end: int
     positions: dict[int, list[int]] = field(default_factory=dict)
     slots: dict[int, list[int]] = field(default_factory=dict)
-    block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -148,13 +149,15 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
             (group.layer_names, group.kv_cache_spec.block_size) for group in kv_cache_config.kv_cache_groups
         ]
         self._group_of = {name: g for g, (names, _) in enumerate(self._groups) for name in names}
-        # Scheduler side.
+        # Scheduler side: entries found for requests, loads to send to the worker, entries that failed to load.
         self._served = _served_model(vllm_config) if role == KVConnectorRole.SCHEDULER else None
         self._matches: dict[str, tuple[EntryHeader, int]] = {}
-        self._planned: dict[str, _Load] = {}
-        # Worker side.
-        self._failed_blocks: set[int] = set()
-        self.loaded_tokens = 0  # read by the tests and the benchmark through the worker's log line
+        self._planned: list[_Load] = []
+        self._loading: dict[str, str] = {}
+        self._broken: dict[str, str] = {}
+        # Worker side: requests whose load finished, and those of them that failed.
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -191,6 +194,8 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
             return self._refuse(request, reason)
         if path is None:
             return 0, False
+        if str(path) in self._broken:
+            return self._refuse(request, self._broken[str(path)])
         try:
             header = read_header(path, self._served)
         except StoreEntryError as error:
@@ -215,48 +220,48 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
         if end <= num_computed_tokens:
             return 0, False
         self._matches[request.request_id] = (header, end)
-        return end - num_computed_tokens, False
+        # Loaded asynchronously (between scheduler steps): vLLM recovers from a failed load of a hybrid-cache model
+        # (Gemma 3's) only for such loads, by prefilling the request from scratch.
+        return end - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         match = self._matches.pop(request.request_id, None)
         if num_external_tokens == 0 or match is None:
             return
         header, end = match
-        self._planned[request.request_id] = _Load(request.request_id, str(header.path), end - num_external_tokens,
-                                                  end)
-
-    def _plan(self, load: _Load, block_ids: tuple[list[int], ...]) -> _Load:
+        load = _Load(request.request_id, str(header.path), end - num_external_tokens, end)
+        block_ids = blocks.get_block_ids()  # every block of the request, per KV cache group
         for group, (_, block_size) in enumerate(self._groups):
             positions, slots = [], []
             for position in range(load.start, load.end):
                 block = block_ids[group][position // block_size]
-                if block != _NULL_BLOCK:
+                if block != _NULL_BLOCK:  # a sliding-window group keeps no block this far back
                     positions.append(position)
                     slots.append(block * block_size + position % block_size)
-                    load.block_ids.append(block)
             load.positions[group], load.slots[group] = positions, slots
-        load.block_ids = sorted(set(load.block_ids))
-        return load
+        self._planned.append(load)
+        self._loading[request.request_id] = load.path
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = MoTConnectorMetadata()
-        for new in scheduler_output.scheduled_new_reqs:
-            load = self._planned.pop(new.req_id, None)
-            if load is not None:
-                meta.loads.append(self._plan(load, new.block_ids))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            load = self._planned.pop(req_id, None)
-            if load is not None and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                meta.loads.append(self._plan(load, cached.new_block_ids[i]))
+        meta = MoTConnectorMetadata(loads=self._planned)
+        self._planned = []
         return meta
 
+    def update_connector_output(self, connector_output):
+        for request_id in connector_output.failed_recving or ():
+            path = self._loading.get(request_id)
+            if path is not None:
+                # The worker logged why; later requests do not try the entry again.
+                self._broken[path] = f"{path} failed to load before (see the worker's log line)"
+        for request_id in connector_output.finished_recving or ():
+            self._loading.pop(request_id, None)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._planned.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
         return False, None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]):
-        self._planned.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -265,11 +270,12 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, MoTConnectorMetadata)
         for load in meta.loads:
+            self._finished.add(load.request_id)
             try:
                 keys, values = read_states(_header_only(load.path))
             except StoreEntryError as error:
-                logger.warning("hf_mot: request %s: %s; vLLM recomputes its blocks.", load.request_id, error)
-                self._failed_blocks.update(load.block_ids)
+                logger.warning("hf_mot: request %s: %s; vLLM recomputes the request.", load.request_id, error)
+                self._failed.add(load.request_id)
                 continue
             written = 0
             for name, layer in forward_context.no_compile_layers.items():
@@ -301,9 +307,11 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self):
         return
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Loads run whole inside start_load_kv, so each is finished (or failed) by the end of its step.
+        results = KVConnectorTransferResults(finished_recving=self._finished, failed_recving=self._failed)
+        self._finished, self._failed = set(), set()
+        return results
 
 
 def _header_only(path: str) -> EntryHeader:

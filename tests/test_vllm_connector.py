@@ -1,0 +1,145 @@
+"""`MoTConnector` end to end in vLLM's CPU build: one vLLM engine serves every case below, in vLLM's own
+environment (`scripts/setup_vllm.sh`). Marked `vllm`: the default run skips it, `.ci/run` runs it in a step of
+its own (`pytest -m vllm tests`)."""
+
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hf_mot import MoTConfig, MoTTranslator, translate_context
+from hf_mot._compat import cache_kwarg
+from hf_mot.integrations.vllm_runner import run_in_vllm, vllm_python
+from hf_mot.integrations.vllm_store import write_store_entries
+from hf_mot.models import convert_embedded_model
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(vllm_python() is None, reason="no vLLM environment: run `bash scripts/setup_vllm.sh`"),
+]
+
+REPO_ID = "hf-mot/smollm2-135m-to-gemma3-270m"
+# Past Gemma 3's 512-token sliding window, so the sliding layers' blocks are written beyond it.
+CONTEXT = " ".join(
+    f"In {1800 + i} the harbour of Aldmere shipped {i * 7} tonnes of salt to the river towns, and the ledger of that "
+    f"year names {i % 5 + 2} new captains." for i in range(24)
+)
+QUESTION = " Question: How many tonnes of salt did Aldmere ship in 1805? Answer:"
+STEPS = 16
+TAIL = 0.25
+
+
+def _rewrite(path, folder, change):
+    """A copy of entry `path` in namespace folder `folder` (same file name), its tensors and metadata changed."""
+    folder.mkdir(parents=True)
+    with safe_open(str(path), framework="pt") as f:
+        tensors, metadata = {name: f.get_tensor(name) for name in f.keys()}, dict(f.metadata())
+    change(tensors, metadata)
+    save_file(tensors, str(folder / path.name), metadata=metadata)
+    return folder.name
+
+
+def _generate(model, cache, question_ids):
+    ids = torch.tensor([question_ids])
+    out = model.generate(input_ids=ids, attention_mask=cache.generation_mask(ids.shape[1]),
+                         **{cache_kwarg(model): cache}, max_new_tokens=STEPS, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, smollm2, gemma3):
+    (source, source_tok), (target, target_tok) = smollm2, gemma3
+    store = tmp_path_factory.mktemp("store")
+    shipped = MoTTranslator.from_pretrained(REPO_ID).eval()
+    identity = MoTTranslator(MoTConfig.from_models(target.config, target.config, source_tokenizer=target_tok,
+                                                   target_tokenizer=target_tok, init="identity"))
+    (own,) = write_store_entries(store, CONTEXT, translator=identity, source_model=target, source_tokenizer=target_tok,
+                                 target_model=target, target_tokenizer=target_tok)
+    pair = dict(translator=shipped, source_model=source, source_tokenizer=source_tok, target_model=target,
+                target_tokenizer=target_tok)
+    (entry,) = write_store_entries(store, CONTEXT, **pair)
+    context_ids = target_tok(CONTEXT).input_ids
+    question_ids = target_tok(QUESTION, add_special_tokens=False).input_ids
+    prompt = context_ids + question_ids
+
+    def scaled(tensors, metadata):
+        tensors["values"] *= -1.0
+
+    def other_target(tensors, metadata):
+        metadata["target_fingerprint"] = "0123456789abcdef"
+
+    def not_finite(tensors, metadata):
+        tensors["keys"][5, 40] = float("nan")
+
+    salts = {
+        "scaled": _rewrite(entry, store / "hf_mot-damaged-scaled", scaled),
+        "other_target": _rewrite(entry, store / "hf_mot-damaged-target", other_target),
+        "not_finite": _rewrite(entry, store / "hf_mot-damaged-nan", not_finite),
+    }
+    truncated = store / "hf_mot-damaged-cut" / entry.name
+    truncated.parent.mkdir()
+    truncated.write_bytes(entry.read_bytes()[:-4096])
+    salts["truncated"] = truncated.parent.name
+    cases = {
+        "native": {"prompt_token_ids": prompt},
+        "identity": {"prompt_token_ids": prompt, "cache_salt": own.parent.name},
+        "shipped": {"prompt_token_ids": prompt, "cache_salt": entry.parent.name,
+                    "kv_transfer_params": {"hf_mot_recompute": 0}},
+        "shipped_tail": {"prompt_token_ids": prompt, "cache_salt": entry.parent.name,
+                         "kv_transfer_params": {"hf_mot_recompute": TAIL}},
+        "short_prompt": {"prompt_token_ids": context_ids[:200] + question_ids, "cache_salt": entry.parent.name,
+                         "kv_transfer_params": {"hf_mot_entry": str(entry)}},
+        "no_salt": {"prompt_token_ids": prompt, "kv_transfer_params": {"hf_mot_entry": str(entry)}},
+        **{name: {"prompt_token_ids": prompt, "cache_salt": salt} for name, salt in salts.items()},
+    }
+    result = run_in_vllm(convert_embedded_model("gemma3-270m"), str(store), list(cases.values()), max_tokens=STEPS)
+    outputs = dict(zip(cases, result["outputs"], strict=True))
+    expected = {
+        "shipped": _generate(target, translate_context(CONTEXT, **pair, recompute=0), question_ids),
+        "shipped_tail": _generate(target, translate_context(CONTEXT, **pair, recompute=TAIL), question_ids),
+    }
+    return outputs, expected, len(context_ids), result["log"]
+
+
+def test_identity_cache_gives_vllms_own_greedy_text(served):
+    outputs, _, tokens, _ = served
+    assert outputs["native"]["num_cached_tokens"] == [0]
+    assert outputs["identity"]["num_cached_tokens"] == [tokens]  # loaded, not prefilled again
+    assert outputs["identity"]["token_ids"] == outputs["native"]["token_ids"]
+
+
+def test_translated_cache_gives_generates_text(served):
+    outputs, expected, tokens, log = served
+    assert outputs["shipped"]["num_cached_tokens"] == [tokens]
+    assert outputs["shipped"]["token_ids"] == expected["shipped"]
+    # The dial: vLLM prefills the last quarter of the context itself, attending to the translated head.
+    assert outputs["shipped_tail"]["num_cached_tokens"] == [tokens - int(TAIL * tokens)]
+    assert outputs["shipped_tail"]["token_ids"] == expected["shipped_tail"]
+    assert any("loaded" in line and "translated tokens" in line for line in log)
+
+
+def test_what_is_loaded_decides_the_answer(served):
+    outputs, _, tokens, _ = served
+    assert outputs["scaled"]["num_cached_tokens"] == [tokens]
+    assert outputs["scaled"]["token_ids"] != outputs["native"]["token_ids"]
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("other_target", "another model or revision"),
+    ("truncated", "not a readable safetensors file"),
+    ("short_prompt", "does not start with"),
+    ("no_salt", "cache_salt"),
+])
+def test_a_bad_entry_falls_back_to_a_normal_prefill(served, case, reason):
+    outputs, _, _, log = served
+    assert outputs[case]["num_cached_tokens"] == [0]
+    if case != "short_prompt":
+        assert outputs[case]["token_ids"] == outputs["native"]["token_ids"]
+    assert any("prefilled normally" in line and reason in line for line in log), log
+
+
+def test_values_found_broken_while_loading_are_recomputed(served):
+    outputs, _, _, log = served
+    assert outputs["not_finite"]["token_ids"] == outputs["native"]["token_ids"]
+    assert any("NaN or Inf" in line and "recomputes" in line for line in log), log
