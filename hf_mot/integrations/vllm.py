@@ -138,6 +138,12 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
                 "MoTConnector needs kv_transfer_config kv_load_failure_policy='recompute': an entry found broken "
                 "while it is read must be recomputed by vLLM, not fail the request."
             )
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "MoTConnector writes every layer and KV head from one worker; tensor and pipeline parallelism "
+                f"(here {parallel.tensor_parallel_size} x {parallel.pipeline_parallel_size}) are not supported yet."
+            )
         cache_dtype = vllm_config.cache_config.cache_dtype
         if cache_dtype != "auto":
             raise ValueError(

@@ -105,7 +105,9 @@ def _serve(spec: dict) -> dict:
             else:
                 record["token_ids"] = list(out.outputs[0].token_ids)
         outputs.append(record)
-    return {"outputs": outputs}
+    import vllm
+
+    return {"outputs": outputs, "vllm": vllm.__version__}
 
 
 if __name__ == "__main__":  # vLLM's CPU platform spawns processes: everything runs under this guard

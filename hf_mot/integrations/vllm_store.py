@@ -212,17 +212,21 @@ def write_store_entries(
     source_tokenizer,
     target_model,
     target_tokenizer,
+    source_cache=None,
 ) -> list[Path]:
     """Translate each context and write it to the store as an entry the vLLM connector serves; returns the paths.
 
     The translation is `translate_context`'s at `recompute=0` (every token translated); the connector serves it at
     the translator's recommended `recompute` or a requested one, letting vLLM read the tail itself. Entries are
-    written whole (temporary file, then rename).
+    written whole (temporary file, then rename). `source_cache`, for a single context, is the source model's
+    cache of it (as in `translate_context`): then the source does not read the context again.
     """
     from ..kv import KVLayout
     from ..pipeline import encode_pair, fill_translated_cache, read_source_and_align, run_translator
 
     contexts = [context] if isinstance(context, str) else context
+    if source_cache is not None and len(contexts) != 1:
+        raise ValueError(f"`source_cache` is the cache of one context, but {len(contexts)} contexts were given.")
     layout = KVLayout.from_config(target_model.config)
     target_fp = model_fingerprint(target_model.state_dict(), layout.num_layers)
     source_fp = model_fingerprint(source_model.state_dict(), KVLayout.from_config(source_model.config).num_layers)
@@ -240,7 +244,7 @@ def write_store_entries(
         source_enc, target_enc = encode_pair(text, translator, source_model, source_tokenizer, target_model,
                                              target_tokenizer)
         source, alignment = read_source_and_align(source_model, source_tokenizer, target_tokenizer, source_enc,
-                                                  target_enc)
+                                                  target_enc, source_cache)
         translated = run_translator(translator, source, alignment, target_model, target_enc.input_ids,
                                     target_enc.attention_mask)
         _, states = fill_translated_cache(translated, target_model, target_enc)
