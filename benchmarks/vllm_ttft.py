@@ -145,6 +145,7 @@ def plot(rows: list[dict], settings: list[str], path: Path) -> None:
     ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="seconds (median, 95% interval)",
            title="Time to first token in vLLM (Gemma-3-270M, CPU)")
     ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=8)
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")

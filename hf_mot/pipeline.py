@@ -187,7 +187,7 @@ def build_translated_cache(
     _check_native_tail(native_tail, target.input_ids.shape[1])
     _check_devices(translator, source, target_model)
     target_layout = KVLayout.from_config(target_model.config)
-    last_tokens = _tokens_kept(target_layout, target.input_ids.shape[1], native_tail)
+    last_tokens = tokens_kept(target_layout, target.input_ids.shape[1], native_tail)
     translated = run_translator(
         translator, source, alignment, target_model, target.input_ids, target.attention_mask, last_tokens
     )
@@ -213,7 +213,7 @@ def build_translated_cache(
     return cache
 
 
-def _tokens_kept(layout: KVLayout, context_tokens: int, native_tail: int) -> list | None:
+def tokens_kept(layout: KVLayout, context_tokens: int, native_tail: int) -> list | None:
     """Per target layer, how many of the last context tokens its cache layer keeps (`None`: all).
 
     A sliding-window layer keeps the last `sliding_window - 1` tokens (transformers' `DynamicSlidingWindowLayer`),

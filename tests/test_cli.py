@@ -151,8 +151,9 @@ def test_translate_to_a_vllm_store_writes_an_entry_the_connector_reads(dirs, tmp
                          target.config.head_dim)
     header = read_header(entry, served)
     assert list(header.token_ids) == char_tokenizer()(CONTEXTS[0]).input_ids
-    keys, _ = read_states(header)
-    assert keys.shape[:2] == (3, len(header.token_ids)) and keys.abs().sum() > 0
+    states = read_states(header, 3)
+    assert len(states) == 3 and all(keys.abs().sum() > 0 for keys, _ in states)
+    assert max(keys.shape[0] for keys, _ in states) == len(header.token_ids)
     result = _hf_mot("translate", *pair, "--to-vllm-store", tmp_path / "store", "--recompute", "0.5")
     assert result.returncode == 1 and "connector applies the dial" in result.stderr.strip().splitlines()[-1]
 

@@ -45,17 +45,38 @@ def written(tmp_path_factory, smollm2, gemma3):
 def test_entry_holds_what_translate_context_caches(written):
     path, served, cache = written
     header = read_header(path, served)
-    keys, values = read_states(header)
+    states = read_states(header, 18)
     tokens = len(header.token_ids)
     assert tokens == cache.get_seq_length() > 512
-    assert keys.shape == values.shape == (18, tokens, 1, 256)
     assert path.parent.name == header.metadata["namespace"] and path.parent.name.startswith("hf_mot-")
-    for index, layer in enumerate(cache.layers):
-        # (batch, heads, kept tokens, dim) in the cache; (tokens, heads, dim) in the entry, every token kept.
-        kept = layer.keys.shape[2]
-        assert kept == (tokens if index in (5, 11, 17) else 511)
-        torch.testing.assert_close(keys[index, tokens - kept:], layer.keys[0].transpose(0, 1))
-        torch.testing.assert_close(values[index, tokens - kept:], layer.values[0].transpose(0, 1))
+    for index, (layer, (keys, values)) in enumerate(zip(cache.layers, states, strict=True)):
+        # (batch, heads, kept tokens, dim) in the cache; (kept tokens, heads, dim) in the entry.
+        kept = tokens if index in (5, 11, 17) else 511
+        assert keys.shape == values.shape == (kept, 1, 256) and header.first_positions[index] == tokens - kept
+        torch.testing.assert_close(keys, layer.keys[0].transpose(0, 1))
+        torch.testing.assert_close(values, layer.values[0].transpose(0, 1))
+    # Served at recompute 0 (the shipped translator's recommended value, the default bound) it serves; a
+    # recomputed tail would attend to sliding-window states the entry does not hold.
+    assert header.refusal(tokens) is None
+    assert "larger max_recompute" in header.refusal(tokens - 1)
+
+
+def test_an_entry_for_recomputing_holds_what_the_tail_attends_to(smollm2, gemma3, written, tmp_path):
+    (source, source_tok), (target, target_tok) = smollm2, gemma3
+    _, served, _ = written
+    translator = MoTTranslator.from_pretrained(REPO_ID).eval()
+    (path,) = write_store_entries(tmp_path, CONTEXT, translator=translator, source_model=source,
+                                  source_tokenizer=source_tok, target_model=target, target_tokenizer=target_tok,
+                                  max_recompute=0.25)
+    header = read_header(path, served)
+    tokens = len(header.token_ids)
+    tail = int(0.25 * tokens)
+    assert header.first_positions == tuple(0 if i in (5, 11, 17) else tokens - 511 - tail for i in range(18))
+    assert header.refusal(tokens - tail) is None and header.refusal(tokens - tail - 1) is not None
+    with pytest.raises(ValueError, match="must be in"):
+        write_store_entries(tmp_path, CONTEXT, translator=translator, source_model=source,
+                            source_tokenizer=source_tok, target_model=target, target_tokenizer=target_tok,
+                            max_recompute=1.5)
 
 
 def test_served_model_fingerprint_matches_the_writer(written, gemma3, smollm2):
@@ -86,7 +107,8 @@ def test_a_bad_entry_is_refused_with_a_reason(written, tmp_path, damage):
     bad.parent.mkdir()
     shutil.copy(path, bad)
     match = {"other_target": "another model or revision", "truncated": "not a readable safetensors",
-             "renamed": "do not match its name", "other_shape": "caches", "not_finite": "NaN or Inf"}[damage]
+             "renamed": "do not match its name", "other_shape": "served model caches",
+             "not_finite": "NaN or Inf"}[damage]
     if damage == "other_target":
         served = ServedModel("0123456789abcdef", 18, 1, 256)
     elif damage == "truncated":
@@ -98,10 +120,10 @@ def test_a_bad_entry_is_refused_with_a_reason(written, tmp_path, damage):
     else:
         with safe_open(str(path), framework="pt") as f:
             tensors, metadata = {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
-        tensors["values"][3, 7, 0, 0] = float("nan")
+        tensors["layers.3.values"][7, 0, 0] = float("nan")
         save_file(tensors, str(bad), metadata=metadata)
         with pytest.raises(StoreEntryError, match=match):
-            read_states(read_header(bad, served))
+            read_states(read_header(bad, served), 18)
         return
     with pytest.raises(StoreEntryError, match=match):
         read_header(bad, served)

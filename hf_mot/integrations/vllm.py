@@ -89,6 +89,7 @@ class _Load:
 
     request_id: str
     path: str
+    tokens: int
     start: int
     end: int
     positions: dict[int, list[int]] = field(default_factory=dict)
@@ -155,6 +156,13 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
             (group.layer_names, group.kv_cache_spec.block_size) for group in kv_cache_config.kv_cache_groups
         ]
         self._group_of = {name: g for g, (names, _) in enumerate(self._groups) for name in names}
+        self._num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+        self._layer_indices = {}
+        for name in self._group_of:
+            found = _LAYER_INDEX.search(name)
+            if found is None:
+                raise ValueError(f"MoTConnector cannot tell which decoder layer vLLM's attention layer {name} is.")
+            self._layer_indices[name] = int(found.group(1))
         # Scheduler side: entries found for requests, loads to send to the worker, entries that failed to load.
         self._served = _served_model(vllm_config) if role == KVConnectorRole.SCHEDULER else None
         self._matches: dict[str, tuple[EntryHeader, int]] = {}
@@ -225,6 +233,9 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
         end = tokens - int(recompute * tokens)
         if end <= num_computed_tokens:
             return 0, False
+        reason = header.refusal(end)
+        if reason is not None:
+            return self._refuse(request, reason)
         self._matches[request.request_id] = (header, end)
         # Loaded asynchronously (between scheduler steps): vLLM recovers from a failed load of a hybrid-cache model
         # (Gemma 3's) only for such loads, by prefilling the request from scratch.
@@ -235,7 +246,7 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens == 0 or match is None:
             return
         header, end = match
-        load = _Load(request.request_id, str(header.path), end - num_external_tokens, end)
+        load = _Load(request.request_id, str(header.path), len(header.token_ids), end - num_external_tokens, end)
         block_ids = blocks.get_block_ids()  # every block of the request, per KV cache group
         for group, (_, block_size) in enumerate(self._groups):
             positions, slots = [], []
@@ -278,31 +289,40 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
         for load in meta.loads:
             self._finished.add(load.request_id)
             try:
-                keys, values = read_states(_header_only(load.path))
+                states = read_states(EntryHeader(Path(load.path), (), {}), self._num_layers)
             except StoreEntryError as error:
                 logger.warning("hf_mot: request %s: %s; vLLM recomputes the request.", load.request_id, error)
                 self._failed.add(load.request_id)
                 continue
-            written = 0
+            written, fewest = 0, load.end - load.start
             for name, layer in forward_context.no_compile_layers.items():
                 kv_cache = getattr(layer, "kv_cache", None)
                 if kv_cache is None or kv_cache.numel() == 0 or name not in self._group_of:
                     continue
-                found = _LAYER_INDEX.search(name)
-                if found is None:
-                    raise RuntimeError(f"hf_mot: cannot tell which decoder layer vLLM's attention {name} is.")
                 group = self._group_of[name]
+                keys, values = states[self._layer_indices[name]]
+                # A sliding-window layer's entry starts later; what it lacks, no computed token attends to (the
+                # scheduler checked), and vLLM's blocks there are never read.
+                first = load.tokens - keys.shape[0]
                 positions = torch.tensor(load.positions[group], dtype=torch.long)
+                slots = torch.tensor(load.slots[group], dtype=torch.long)
+                held = positions >= first
+                positions, slots = positions[held], slots[held]
+                fewest = min(fewest, positions.numel())
                 if positions.numel() == 0:
                     continue
-                index = int(found.group(1))
-                layer_keys = keys[index].index_select(0, positions).to(kv_cache.device, kv_cache.dtype)
-                layer_values = values[index].index_select(0, positions).to(kv_cache.device, kv_cache.dtype)
-                slots = torch.tensor(load.slots[group], dtype=torch.long, device=kv_cache.device)
-                layer.impl.do_kv_cache_update(layer, layer_keys, layer_values, kv_cache, slots)
+                rows = positions - first
+                layer.impl.do_kv_cache_update(
+                    layer, keys.index_select(0, rows).to(kv_cache.device, kv_cache.dtype),
+                    values.index_select(0, rows).to(kv_cache.device, kv_cache.dtype), kv_cache,
+                    slots.to(kv_cache.device),
+                )
                 written += 1
-            logger.info("hf_mot: request %s: loaded %d translated tokens into %d attention layers from %s",
-                        load.request_id, load.end - load.start, written, load.path)
+            logger.info(
+                "hf_mot: request %s: loaded %d translated tokens into %d attention layers (at least %d in every "
+                "layer: sliding-window layers keep only their window) from %s", load.request_id,
+                load.end - load.start, written, fewest, load.path,
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -319,7 +339,3 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
         self._finished, self._failed = set(), set()
         return results
 
-
-def _header_only(path: str) -> EntryHeader:
-    # The scheduler checked the header; the worker reads the tensors (and checks they are finite).
-    return EntryHeader(Path(path), (), {})

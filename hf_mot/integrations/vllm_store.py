@@ -6,10 +6,13 @@ One safetensors file per context, `STORE/<namespace>/<tokens>-<key>.safetensors`
   target's weight fingerprints). It is also the `cache_salt` of the requests that use the entry, so that vLLM's
   prefix cache never hands translated blocks to a request that asked for the target's own reading.
 - `key` is the SHA-256 of the target's token ids of the context (special tokens included), `tokens` their count.
-- The file holds `token_ids` `(T,)`, and `keys` / `values` `(layers, T, kv heads, head dim)`: what the target's
-  attention layers cache for those tokens (after the key norm and RoPE, as vLLM caches them). Every layer holds
-  every token, sliding-window layers too, because a recomputed tail looks back past the window from its start.
-  The metadata names the translator, the pair and its fingerprints, and the translator's recommended `recompute`.
+- The file holds `token_ids` `(T,)`, and per target layer `layers.{i}.keys` / `layers.{i}.values`
+  `(tokens, kv heads, head dim)`: what the layer caches for the context's last tokens (after the key norm and
+  RoPE, as vLLM caches them). A full-attention layer holds every token; a sliding-window layer the last
+  `window - 1 + floor(max_recompute * T)`, which is all that a request served at `recompute <= max_recompute`
+  attends to (a recomputed tail looks back a window from its start).
+  The metadata names the translator, the pair and its fingerprints, the window, `max_recompute`, and the
+  translator's recommended `recompute`.
 
 The layout does not depend on vLLM's block size or on its paged layout (which differs between CPU instruction
 sets): the connector writes the tensors through vLLM's own cache-write operation.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +76,28 @@ def model_fingerprint(tensors, num_layers: int) -> str:
     return digest.hexdigest()[:16]
 
 
+# Fingerprints of live modules, dropped when a parameter is replaced, changed in place or moved: hashing a
+# translator's weights on every entry written would cost more than translating a short context.
+_MODULE_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _module_fingerprint(module: torch.nn.Module, compute) -> str:
+    state = tuple((id(p), p._version, p.device, p.dtype) for p in module.parameters())
+    cached = _MODULE_FINGERPRINTS.get(module)
+    if cached is None or cached[0] != state:
+        cached = (state, compute())
+        _MODULE_FINGERPRINTS[module] = cached
+    return cached[1]
+
+
+def _translator_fingerprint(translator: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(translator.state_dict().items()):
+        digest.update(name.encode())
+        _tensor_digest(digest, tensor)
+    return digest.hexdigest()[:16]
+
+
 class _CheckpointTensors:
     """A read-only mapping over the tensors of a folder's safetensors files, each read only when asked for."""
 
@@ -118,15 +144,34 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class EntryHeader:
-    """An entry's metadata and token ids, read and checked without reading its keys and values."""
+    """An entry's metadata, token ids and the first position each layer holds, read and checked without reading
+    its keys and values."""
 
     path: Path
     token_ids: tuple[int, ...]
     metadata: dict
+    first_positions: tuple[int, ...] = ()
 
     @property
     def recompute(self) -> float:
         return float(self.metadata["recompute"])
+
+    def refusal(self, end: int) -> str | None:
+        """Why this entry cannot serve a request that loads its first `end` tokens and computes the rest (a
+        sliding-window layer lacking states the tail attends to), or `None`."""
+        window = json.loads(self.metadata.get("sliding_window", "null"))
+        needed = 0 if window is None else max(end - (window - 1), 0)
+        if any(first > needed for first in self.first_positions):
+            return (
+                f"{self.path} holds sliding-window states for recompute up to {self.metadata['max_recompute']}, "
+                f"but this request recomputes {len(self.token_ids) - end} of its {len(self.token_ids)} tokens: write "
+                "it with a larger max_recompute"
+            )
+        return None
+
+
+def _layer_names(index: int) -> tuple[str, str]:
+    return f"layers.{index}.keys", f"layers.{index}.values"
 
 
 def read_header(path: str | os.PathLike, served: ServedModel) -> EntryHeader:
@@ -137,52 +182,64 @@ def read_header(path: str | os.PathLike, served: ServedModel) -> EntryHeader:
     path = Path(path)
     if not path.is_file():
         raise StoreEntryError(f"No store entry at {path}: write it with `hf-mot translate --to-vllm-store`.")
+    expected_names = {"token_ids"} | {name for i in range(served.num_layers) for name in _layer_names(i)}
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             if metadata.get("format") != STORE_FORMAT:
                 raise StoreEntryError(f"{path} is not a translated-cache store entry ({STORE_FORMAT}).")
+            if metadata.get("target_fingerprint") != served.fingerprint:
+                raise StoreEntryError(
+                    f"{path} was translated for target {metadata.get('target_id')!r} with weights fingerprint "
+                    f"{metadata.get('target_fingerprint')}, but the served model's weights have fingerprint "
+                    f"{served.fingerprint}: another model or revision. Translate the context again for the served "
+                    "model."
+                )
             names = set(f.keys())
-            if names != {"token_ids", "keys", "values"}:
-                raise StoreEntryError(f"{path} holds {sorted(names)}, not token_ids, keys and values.")
+            if names != expected_names:
+                raise StoreEntryError(
+                    f"{path} holds {len(names)} tensors, not the token ids and keys and values of the served "
+                    f"model's {served.num_layers} layers: it is corrupted or for another model."
+                )
             token_ids = f.get_tensor("token_ids")
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in ("keys", "values")}
+            shapes = [tuple(f.get_slice(name).get_shape()) for i in range(served.num_layers)
+                      for name in _layer_names(i)]
     except SafetensorError as error:
         raise StoreEntryError(f"{path} is not a readable safetensors file ({error}): write it again.") from error
-    if metadata.get("target_fingerprint") != served.fingerprint:
-        raise StoreEntryError(
-            f"{path} was translated for target {metadata.get('target_id')!r} with weights fingerprint "
-            f"{metadata.get('target_fingerprint')}, but the served model's weights have fingerprint "
-            f"{served.fingerprint}: another model or revision. Translate the context again for the served model."
-        )
-    expected = (served.num_layers, token_ids.numel(), served.num_kv_heads, served.head_dim)
-    if token_ids.dim() != 1 or token_ids.numel() == 0 or any(shape != expected for shape in shapes.values()):
-        raise StoreEntryError(
-            f"{path} holds keys {shapes['keys']} and values {shapes['values']} for {token_ids.numel()} tokens, but "
-            f"the served model caches {expected} (layers, tokens, KV heads, head dim): it is corrupted or for "
-            "another model; translate the context again."
-        )
+    tokens = token_ids.numel()
+    sliding = json.loads(metadata.get("layer_types", "[]"))
+    firsts = []
+    for index in range(served.num_layers):
+        keys, values = shapes[2 * index], shapes[2 * index + 1]
+        kept = keys[0] if keys else -1
+        full = index >= len(sliding) or sliding[index] != "sliding_attention"
+        if (keys != values or keys[1:] != (served.num_kv_heads, served.head_dim) or not 0 < kept <= tokens
+                or (full and kept != tokens)):
+            raise StoreEntryError(
+                f"{path} layer {index} holds keys {keys} and values {values} for {tokens} context tokens, but the "
+                f"served model caches (tokens, {served.num_kv_heads}, {served.head_dim}) per layer, every token in "
+                "a full-attention layer: it is corrupted or for another model; translate the context again."
+            )
+        firsts.append(tokens - kept)
     ids = tuple(token_ids.tolist())
-    if path.name != entry_name(ids):
-        raise StoreEntryError(f"{path}'s token ids do not match its name ({entry_name(ids)}): it is corrupted.")
-    return EntryHeader(path, ids, metadata)
+    if token_ids.dim() != 1 or path.name != entry_name(ids):
+        raise StoreEntryError(f"{path}'s token ids do not match its name: it is corrupted.")
+    return EntryHeader(path, ids, metadata, tuple(firsts))
 
 
-def read_states(header: EntryHeader, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """An entry's keys and values `(layers, tokens, kv heads, head dim)`; a `StoreEntryError` if they are not
-    finite (a broken translation) or unreadable."""
+def read_states(header: EntryHeader, num_layers: int, device=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """An entry's keys and values per layer, each `(tokens, kv heads, head dim)` for the layer's last tokens; a
+    `StoreEntryError` if they are not finite (a broken translation) or unreadable."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(header.path), framework="pt", device=str(device or "cpu")) as f:
-            keys, values = f.get_tensor("keys"), f.get_tensor("values")
+            states = [tuple(f.get_tensor(name) for name in _layer_names(i)) for i in range(num_layers)]
     except (SafetensorError, OSError) as error:
         raise StoreEntryError(f"{header.path} could not be read ({error}): write it again.") from error
-    if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+    if not all(torch.isfinite(t).all() for layer in states for t in layer):
         raise StoreEntryError(f"{header.path} holds NaN or Inf: the translation it was written from was broken.")
-    if dtype is not None:
-        keys, values = keys.to(dtype), values.to(dtype)
-    return keys, values
+    return states
 
 
 def find_entry(store: str | os.PathLike, space: str, prompt_token_ids) -> Path | None:
@@ -213,28 +270,44 @@ def write_store_entries(
     target_model,
     target_tokenizer,
     source_cache=None,
+    max_recompute: float | None = None,
 ) -> list[Path]:
     """Translate each context and write it to the store as an entry the vLLM connector serves; returns the paths.
 
-    The translation is `translate_context`'s at `recompute=0` (every token translated); the connector serves it at
-    the translator's recommended `recompute` or a requested one, letting vLLM read the tail itself. Entries are
-    written whole (temporary file, then rename). `source_cache`, for a single context, is the source model's
-    cache of it (as in `translate_context`): then the source does not read the context again.
+    The translation is `translate_context`'s at `recompute=0`; the connector serves it at the translator's
+    recommended `recompute` or a requested one up to `max_recompute` (default: the recommended value), letting
+    vLLM read the tail itself. Sliding-window layers keep only what such a tail attends to, which on long contexts
+    is most of the translation's work saved. Entries are written whole (temporary file, then rename).
+    `source_cache`, for a single context, is the source model's cache of it (as in `translate_context`): then the
+    source does not read the context again.
     """
+    from ..configuration_mot import check_recompute
     from ..kv import KVLayout
-    from ..pipeline import encode_pair, fill_translated_cache, read_source_and_align, run_translator
+    from ..pipeline import (
+        encode_pair,
+        fill_translated_cache,
+        read_source_and_align,
+        run_translator,
+        tokens_kept,
+    )
 
     contexts = [context] if isinstance(context, str) else context
     if source_cache is not None and len(contexts) != 1:
         raise ValueError(f"`source_cache` is the cache of one context, but {len(contexts)} contexts were given.")
+    recommended = translator.config.recompute
+    max_recompute = recommended if max_recompute is None else check_recompute(max_recompute, "`max_recompute`")
+    if max_recompute < recommended:
+        raise ValueError(
+            f"`max_recompute={max_recompute}` is below the translator's recommended recompute {recommended}, at "
+            "which the connector serves entries by default: pass at least that."
+        )
     layout = KVLayout.from_config(target_model.config)
-    target_fp = model_fingerprint(target_model.state_dict(), layout.num_layers)
-    source_fp = model_fingerprint(source_model.state_dict(), KVLayout.from_config(source_model.config).num_layers)
-    digest = hashlib.sha256()
-    for name, tensor in sorted(translator.state_dict().items()):
-        digest.update(name.encode())
-        _tensor_digest(digest, tensor)
-    translator_fp = digest.hexdigest()[:16]
+    target_fp = _module_fingerprint(
+        target_model, lambda: model_fingerprint(target_model.state_dict(), layout.num_layers))
+    source_layers = KVLayout.from_config(source_model.config).num_layers
+    source_fp = _module_fingerprint(
+        source_model, lambda: model_fingerprint(source_model.state_dict(), source_layers))
+    translator_fp = _module_fingerprint(translator, lambda: _translator_fingerprint(translator))
     space = namespace(translator_fp, source_fp, target_fp)
     folder = Path(store) / space
     folder.mkdir(parents=True, exist_ok=True)
@@ -245,12 +318,19 @@ def write_store_entries(
                                              target_tokenizer)
         source, alignment = read_source_and_align(source_model, source_tokenizer, target_tokenizer, source_enc,
                                                   target_enc, source_cache)
+        tokens = target_enc.input_ids.shape[1]
+        kept = tokens_kept(layout, tokens, int(max_recompute * tokens))
         translated = run_translator(translator, source, alignment, target_model, target_enc.input_ids,
-                                    target_enc.attention_mask)
+                                    target_enc.attention_mask, kept)
         _, states = fill_translated_cache(translated, target_model, target_enc)
-        keys = torch.stack([states[i][0][0].transpose(0, 1) for i in range(layout.num_layers)])
-        values = torch.stack([states[i][1][0].transpose(0, 1) for i in range(layout.num_layers)])
         token_ids = target_enc.input_ids[0].cpu()
+        tensors = {"token_ids": token_ids.contiguous()}
+        for index in range(layout.num_layers):
+            keys, values = states[index]
+            names = _layer_names(index)
+            # (batch 1, heads, tokens, dim) in the cache; (tokens, heads, dim) as vLLM writes its cache.
+            tensors[names[0]] = keys[0].transpose(0, 1).cpu().contiguous()
+            tensors[names[1]] = values[0].transpose(0, 1).cpu().contiguous()
         metadata = {
             "format": STORE_FORMAT,
             "namespace": space,
@@ -261,11 +341,11 @@ def write_store_entries(
             "target_id": target_model.config.name_or_path or "",
             "target_fingerprint": target_fp,
             "layer_types": json.dumps(list(layout.layer_types)),
-            "recompute": str(translator.config.recompute),
+            "sliding_window": json.dumps(layout.sliding_window),
+            "recompute": str(recommended),
+            "max_recompute": str(max_recompute),
         }
         path = folder / entry_name(token_ids.tolist())
-        tensors = {"token_ids": token_ids.contiguous(), "keys": keys.cpu().contiguous(),
-                   "values": values.cpu().contiguous()}
         write_safetensors_atomically(path, tensors, metadata)
         paths.append(path)
     return paths
