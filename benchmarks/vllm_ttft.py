@@ -3,7 +3,8 @@ translated cache through `MoTConnector`, side by side in one vLLM engine.
 
 For each context length (target tokens; XSum test documents, a domain no translator was trained on) it writes the
 store entry (hf_mot, in this environment: alignment, translation of every token and layer, file write, with the
-source's cache already there, and the source prefill that made it timed apart), then serves, in vLLM's own
+source's cache already there, and the source prefill that made it timed apart; its sliding-window layers keep
+what a recomputed tail of up to `--recompute` attends to), then serves, in vLLM's own
 environment (`scripts/setup_vllm.sh`), the context followed by a question:
 
 - `vLLM prefill`: no entry, vLLM prefills context and question (the baseline the connector replaces);
@@ -12,7 +13,8 @@ environment (`scripts/setup_vllm.sh`), the context followed by a question:
 
 Each vLLM call empties the prefix cache first and is timed from `generate()` to its one token; `--trials` calls
 per setting after the engine's own warm-up. The table shows medians and the JSON a 95% bootstrap interval of each
-median and every trial; `num_cached_tokens` (what vLLM did not compute) is recorded per call.
+median and every trial; `num_cached_tokens` (what vLLM did not compute) is recorded per call, and a call that
+did not load what the connector should (a refused entry is prefilled, which would time as 1.0x) stops the run.
 
 Usage:
     python benchmarks/vllm_ttft.py --lengths 512 1024 2048 4096 --output benchmarks/results/vllm_ttft.json
@@ -88,6 +90,7 @@ def main() -> None:
                 (path,) = write_store_entries(
                     store, text, translator=translator, source_model=source, source_tokenizer=source_tok,
                     target_model=target, target_tokenizer=target_tok, source_cache=source_cache,
+                    max_recompute=args.recompute or 0.0,
                 )
                 write_times.append(time.perf_counter() - start)
             prompt = target_tok(text).input_ids + question
@@ -108,6 +111,13 @@ def main() -> None:
         for setting in row.pop("settings"):
             out = served.pop(0)
             row[setting] = {**summary(out["ttft_s"]), "num_cached_tokens": out["num_cached_tokens"]}
+            loaded = expected_loaded(setting, row["context_tokens"], args.recompute)
+            if any(cached != loaded for cached in out["num_cached_tokens"]):
+                # A refused entry is served as a plain prefill: timing it would report a speed-up of 1.0x.
+                raise SystemExit(
+                    f"{setting} at {row['context_tokens']} tokens: vLLM reused {out['num_cached_tokens']} tokens, "
+                    f"not the {loaded} the connector should load; its log lines:\n" + "\n".join(result["log"])
+                )
             if setting != "vllm_prefill":
                 row[setting]["speedup"] = row["vllm_prefill"]["median_s"] / row[setting]["median_s"]
                 with_entry = row[setting]["median_s"] + row["write_entry"]["median_s"]
@@ -125,6 +135,15 @@ def main() -> None:
     plot(rows, settings, args.output.with_suffix(".png"))
     print(table)
     print(f"wrote {args.output} and its plot")
+
+
+def expected_loaded(setting: str, tokens: int, recompute: float | None) -> int:
+    """How many prompt tokens vLLM should report as not computed: none for its own prefill, the entry's tokens
+    less the recomputed tail (the connector's `T - floor(r * T)`) for a translated setting."""
+    if setting == "vllm_prefill":
+        return 0
+    share = 0.0 if setting == "translated" else recompute
+    return tokens - int(share * tokens)
 
 
 def plot(rows: list[dict], settings: list[str], path: Path) -> None:

@@ -1,7 +1,10 @@
-"""`MoTConnector` end to end in vLLM's CPU build: one vLLM engine serves every case below, in vLLM's own
-environment (`scripts/setup_vllm.sh`). Marked `vllm`: the default run skips it, `.ci/run` runs it in a step of
-its own (`pytest -m vllm tests`)."""
+"""`MoTConnector` end to end in vLLM's CPU build: one vLLM engine serves every case below (the serving example
+starts its own), in vLLM's own environment (`scripts/setup_vllm.sh`). Marked `vllm`: the default run skips it,
+`.ci/run` runs it in a step of its own (`pytest -m vllm tests`)."""
 
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +153,15 @@ def test_values_found_broken_while_loading_are_recomputed(served):
     outputs, _, _, log = served
     assert outputs["not_finite"]["token_ids"] == outputs["native"]["token_ids"]
     assert any("NaN or Inf" in line and "recomputes" in line for line in log), log
+
+
+def test_the_serving_example_answers_from_the_translated_cache():
+    """examples/vllm_serving runs as its docstring says and prints vLLM's own answer beside the translated one."""
+    example = Path(__file__).parents[1] / "examples" / "vllm_serving" / "serve_translated_cache.py"
+    done = subprocess.run([str(vllm_python()), str(example)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    own, translated = [line for line in done.stdout.splitlines() if "prompt tokens not computed" in line]
+    assert own.startswith("vLLM prefills the document") and "(0 of " in own
+    assert translated.startswith("from SmolLM2's translated cache") and "Eiffel" in translated
+    reused, prompt = map(int, re.search(r"\((\d+) of (\d+) prompt tokens", translated).groups())
+    assert 0 < reused < prompt  # the document came from the store, the question was prefilled

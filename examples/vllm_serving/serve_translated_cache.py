@@ -7,6 +7,7 @@ next to it. Runs in vLLM's environment, which has hf_mot installed too (`bash sc
     .venv-vllm/bin/python examples/vllm_serving/serve_translated_cache.py
 """
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +17,9 @@ QUESTION = " Question: Who built the tower? Answer:"
 
 
 def main() -> None:
+    # KV cache memory for vLLM's CPU backend, in GiB. Without it vLLM reserves 92% of the machine's memory and
+    # refuses to start when less is free (here, with the two models of the translation loaded beside it).
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
