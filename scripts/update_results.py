@@ -126,6 +126,7 @@ def gpu_cost() -> list[str]:
         f"{1000 * prefill:.0f} ms for the target's prefill (torch {report['machine']['torch']}, "
         f"{'before' if 'translate_full' in longest else 'after'} the hot path was rewritten as a few operations for "
         "all layers at once); see [the H200 notes](benchmarks/results/h200/README.md).",
+        "",
     ]
 
 
@@ -141,13 +142,15 @@ def vllm_ttft() -> list[str]:
         f"`{report['command']}` on {machine['cpu']} ({', '.join(machine.get('cpu_features', []))}), vLLM "
         f"{report['vllm']} (CPU build), float32: medians of {report['trials']} calls with the prefix cache emptied "
         "before each, 95% bootstrap intervals; the context is followed by a 12-token question. `write entry` is "
-        "hf_mot's side (alignment, translation of every token and layer, safetensors write) with the source's "
-        "cache given; the first speed-up is against vLLM prefilling the prompt, the second counts writing the "
-        "entry too.",
+        "hf_mot's side (alignment, translation, safetensors write, with the source's cache given; the sliding-"
+        "window layers keep what the largest recompute served attends to); the first speed-up is against vLLM "
+        "prefilling the prompt, the second counts writing the entry too. vLLM reported exactly the loaded "
+        "tokens as not computed in every call (the benchmark stops otherwise).",
         "",
         report["table"],
         "",
         "![vLLM time to first token](benchmarks/results/vllm_ttft.png)",
+        "",
     ]
 
 
