@@ -2,6 +2,7 @@
 starts its own), in vLLM's own environment (`scripts/setup_vllm.sh`). Marked `vllm`: the default run skips it,
 `.ci/run` runs it in a step of its own (`pytest -m vllm tests`)."""
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -165,3 +166,44 @@ def test_the_serving_example_answers_from_the_translated_cache():
     assert translated.startswith("from SmolLM2's translated cache") and "Eiffel" in translated
     reused, prompt = map(int, re.search(r"\((\d+) of (\d+) prompt tokens", translated).groups())
     assert 0 < reused < prompt  # the document came from the store, the question was prefilled
+
+
+# Builds the connector from a vLLM config (no engine, no weights loaded) for each setting it must refuse.
+_REFUSED_SETTINGS = """
+import json, sys
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from hf_mot.integrations.vllm import MoTConnector
+
+def build(extra={"store": "store"}, policy="recompute", tensor_parallel=1, cache_dtype="auto"):
+    kv = KVTransferConfig(kv_connector="MoTConnector", kv_connector_module_path="hf_mot.integrations.vllm",
+                          kv_role="kv_consumer", kv_load_failure_policy=policy, kv_connector_extra_config=extra)
+    config = VllmConfig(model_config=ModelConfig(model=sys.argv[1], dtype="float32"), kv_transfer_config=kv,
+                        cache_config=CacheConfig(cache_dtype=cache_dtype),
+                        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel))
+    MoTConnector(config, KVConnectorRole.SCHEDULER, None)
+
+cases = {"no_store": dict(extra={}), "failure_policy": dict(policy="fail"), "tensor_parallel": dict(tensor_parallel=2),
+         "fp8_cache": dict(cache_dtype="fp8"), "recompute": dict(extra={"store": "store", "recompute": 2})}
+messages = {}
+for name, settings in cases.items():
+    try:
+        build(**settings)
+        messages[name] = None
+    except ValueError as error:
+        messages[name] = str(error)
+print("REFUSALS " + json.dumps(messages))
+"""
+
+
+def test_settings_the_connector_cannot_serve_are_refused_at_start():
+    done = subprocess.run([str(vllm_python()), "-c", _REFUSED_SETTINGS, str(convert_embedded_model("gemma3-270m"))],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("REFUSALS ")]
+    messages = json.loads(line.removeprefix("REFUSALS "))
+    assert "kv_connector_extra_config={'store': DIR}" in messages["no_store"]
+    assert "kv_load_failure_policy='recompute'" in messages["failure_policy"]
+    assert "tensor and pipeline parallelism" in messages["tensor_parallel"]
+    assert "kv_cache_dtype='fp8'" in messages["fp8_cache"]
+    assert "must be in [0, 1]" in messages["recompute"]

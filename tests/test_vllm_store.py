@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import DynamicCache
 
 from hf_mot import MoTTranslator, translate_context
 from hf_mot.integrations.vllm_store import (
@@ -77,6 +78,10 @@ def test_an_entry_for_recomputing_holds_what_the_tail_attends_to(smollm2, gemma3
         write_store_entries(tmp_path, CONTEXT, translator=translator, source_model=source,
                             source_tokenizer=source_tok, target_model=target, target_tokenizer=target_tok,
                             max_recompute=1.5)
+    with pytest.raises(ValueError, match="the cache of one context, but 2 contexts"):
+        write_store_entries(tmp_path, [CONTEXT, CONTEXT], translator=translator, source_model=source,
+                            source_tokenizer=source_tok, target_model=target, target_tokenizer=target_tok,
+                            source_cache=DynamicCache())
 
 
 def test_served_model_fingerprint_matches_the_writer(written, gemma3, smollm2):
