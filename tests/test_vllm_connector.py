@@ -99,6 +99,7 @@ def served(tmp_path_factory, smollm2, gemma3):
         "short_prompt": {"prompt_token_ids": context_ids[:200] + question_ids, "cache_salt": entry.parent.name,
                          "kv_transfer_params": {"hf_mot_entry": str(entry)}},
         "no_salt": {"prompt_token_ids": prompt, "kv_transfer_params": {"hf_mot_entry": str(entry)}},
+        "no_entry": {"prompt_token_ids": context_ids[:200] + question_ids, "cache_salt": entry.parent.name},
         **{name: {"prompt_token_ids": prompt, "cache_salt": salt} for name, salt in salts.items()},
     }
     result = run_in_vllm(convert_embedded_model("gemma3-270m"), str(store), list(cases.values()), max_tokens=STEPS)
@@ -141,11 +142,12 @@ def test_what_is_loaded_decides_the_answer(served):
     ("truncated", "not a readable safetensors file"),
     ("short_prompt", "does not start with"),
     ("no_salt", "cache_salt"),
+    ("no_entry", "holds no context that its prompt starts with"),
 ])
 def test_a_bad_entry_falls_back_to_a_normal_prefill(served, case, reason):
     outputs, _, _, log = served
     assert outputs[case]["num_cached_tokens"] == [0]
-    if case != "short_prompt":
+    if case not in ("short_prompt", "no_entry"):
         assert outputs[case]["token_ids"] == outputs["native"]["token_ids"]
     assert any("prefilled normally" in line and reason in line for line in log), log
 

@@ -27,8 +27,8 @@ head, then the question), which is `translate_context`'s `recompute`. `recompute
 translator's recommended value recorded in the entry.
 
 An entry that cannot be served (another target or revision, a corrupted or missing file, a prompt that does not
-start with its tokens, no salt while prefix caching is on) is refused with a log line and the request is
-prefilled normally. Values found broken only when the worker reads them (NaN) are reported as a failed load,
+start with its tokens, no salt while prefix caching is on), or a salted request with no entry, is refused with a
+log line and the request is prefilled normally. Values found broken only when the worker reads them (NaN) are reported as a failed load,
 and vLLM prefills the request itself (`kv_load_failure_policy="recompute"`, which the connector requires).
 
 The K/V are written through the attention backend's own cache-write operation (`do_kv_cache_update`), so the
@@ -199,7 +199,13 @@ class MoTConnector(KVConnectorBase_V1, SupportsHMA):
             return path, None
         if not salt.startswith("hf_mot-"):
             return None, None  # a normal request
-        return find_entry(self._store, salt, prompt), None
+        path = find_entry(self._store, salt, prompt)
+        if path is None:
+            return None, (
+                f"its cache_salt names namespace {salt}, but {self._store / salt} holds no context that its prompt "
+                "starts with and continues past: write the context with `hf-mot translate --to-vllm-store`"
+            )
+        return path, None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matches.pop(request.request_id, None)
