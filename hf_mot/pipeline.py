@@ -56,10 +56,33 @@ def read_source_and_align(
     here when it is `None`) and the alignment of the target tokens onto the source tokens."""
     same_tokenizer = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
     alignment = align_contexts(source_enc, target_enc, same_tokenizer=same_tokenizer)
-    if source_cache is None:
+    given = source_cache is not None
+    if not given:
         source_cache = prefill_source(source_model, source_enc)
     source = read_source_cache(source_cache, source_model, source_enc.attention_mask, source_enc.position_ids)
+    if given:
+        _check_first_tokens(source, source_model, source_enc)
     return source, alignment
+
+
+def _check_first_tokens(source: SourceKV, model: PreTrainedModel, encoded: EncodedContext) -> None:
+    """Refuse a user's source cache that does not hold the contexts as they are encoded here (left-padded): each
+    row's first real token sees only itself, so its cached values equal those of the token read alone (cached per
+    token, see `first_token_states`). A right-padded batch, or another context of the same length, differs."""
+    own, _ = first_token_states(model, encoded.input_ids, encoded.attention_mask)
+    first = encoded.attention_mask.long().argmax(dim=1)
+    cached = source.values[torch.arange(first.shape[0], device=first.device), first].float().flatten(1)
+    expected = own.values[:, 0].to(cached.device, torch.float32).flatten(1)
+    # Relative distance: rounding (bf16, another attention kernel) stays far below it, another token far above.
+    distance = (cached - expected).norm(dim=1) / expected.norm(dim=1).clamp_min(1e-6)
+    if bool((distance > 0.1).any()):
+        row = int((distance > 0.1).nonzero()[0])
+        raise ValueError(
+            f"`source_cache` row {row} does not hold this context as `source_model` reads it: its first token's "
+            f"cached values are {float(distance[row]):.2f} (relative) away from the model's own. A right-padded "
+            "batch does this: read the contexts left-padded (`source_tokenizer.padding_side = 'left'`, as "
+            "`translate_context` tokenizes them), or leave `source_cache` out."
+        )
 
 
 def _check_devices(translator: MoTTranslator, source: SourceKV, target_model: PreTrainedModel) -> None:

@@ -3,10 +3,12 @@
 import pytest
 import torch
 from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, identity_translator, tiny_model
+from transformers import DynamicCache
 
 from hf_mot import MoTConfig, MoTTranslator, translate_context
 from hf_mot.alignment import encode_contexts
-from hf_mot.pipeline import prefill_source
+from hf_mot.kv import positions_from_mask
+from hf_mot.pipeline import prefill_source, read_into_cache
 
 
 @pytest.fixture
@@ -260,3 +262,18 @@ def test_cli_shows_a_traceback_for_a_type_error(monkeypatch):
         cli.main(["generate", "--context", "x"])
     monkeypatch.setattr(cli, "_generate", lambda args: (_ for _ in ()).throw(ValueError("bad input")))
     assert cli.main(["generate", "--context", "x"]) == 1
+
+
+def test_right_padded_cache(pair):
+    model, tokenizer, _ = pair
+    contexts = [CONTEXTS[0], CONTEXTS[1][:30]]
+    encoded = encode_contexts(tokenizer, contexts)
+    # The same batch padded on the right, as a tokenizer with padding_side="right" gives it.
+    order = torch.argsort(1 - encoded.attention_mask, dim=1, stable=True)  # real tokens first, padding last
+    ids, mask = encoded.input_ids.gather(1, order), encoded.attention_mask.gather(1, order)
+    assert mask[1, -1] == 0
+    right = DynamicCache()
+    read_into_cache(model, right, ids, mask, positions_from_mask(mask))
+    _translate(pair, context=contexts, source_cache=prefill_source(model, encoded))  # left-padded: accepted
+    with pytest.raises(ValueError, match=r"`source_cache` row 1 .* right-padded batch"):
+        _translate(pair, context=contexts, source_cache=right)

@@ -28,8 +28,9 @@ translator's recommended value recorded in the entry.
 
 An entry that cannot be served (another target or revision, a corrupted or missing file, a prompt that does not
 start with its tokens, no salt while prefix caching is on), or a salted request with no entry, is refused with a
-log line and the request is prefilled normally. Values found broken only when the worker reads them (NaN) are reported as a failed load,
-and vLLM prefills the request itself (`kv_load_failure_policy="recompute"`, which the connector requires).
+log line and the request is prefilled normally. Values found broken only when the worker reads them (NaN) are
+reported as a failed load, and vLLM prefills the request itself (`kv_load_failure_policy="recompute"`, which the
+connector requires).
 
 The K/V are written through the attention backend's own cache-write operation (`do_kv_cache_update`), so the
 paged layout (which on the CPU depends on the instruction set) is vLLM's business. Gemma 3's sliding-window
