@@ -60,7 +60,7 @@ def read_source_and_align(
     if not given:
         source_cache = prefill_source(source_model, source_enc)
     source = read_source_cache(source_cache, source_model, source_enc.attention_mask, source_enc.position_ids)
-    if given:
+    if given and len(set(source_enc.lengths)) > 1:  # only a padded batch can have been padded on the wrong side
         _check_first_tokens(source, source_model, source_enc)
     return source, alignment
 
@@ -68,7 +68,7 @@ def read_source_and_align(
 def _check_first_tokens(source: SourceKV, model: PreTrainedModel, encoded: EncodedContext) -> None:
     """Refuse a user's source cache that does not hold the contexts as they are encoded here (left-padded): each
     row's first real token sees only itself, so its cached values equal those of the token read alone (cached per
-    token, see `first_token_states`). A right-padded batch, or another context of the same length, differs."""
+    token, see `first_token_states`). A right-padded batch differs."""
     own, _ = first_token_states(model, encoded.input_ids, encoded.attention_mask)
     first = encoded.attention_mask.long().argmax(dim=1)
     cached = source.values[torch.arange(first.shape[0], device=first.device), first].float().flatten(1)
