@@ -195,7 +195,8 @@ def layers_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The model's own RoPE tables for `layers` at `position_ids`, `(len(layers), batch, tokens, rotary_dim)` each,
     or `None` for models without RoPE. The model's rotary module makes them, so RoPE scaling variants and Gemma 3's
-    per-layer-type bases come for free; it runs once per distinct layer type among `layers`, not once per layer."""
+    per-layer-type bases come for free; it runs once per distinct layer type among `layers`, not once per layer.
+    A NoPE layer gets the identity rotation."""
     rotary = getattr(_decoder(model), "rotary_emb", None)
     if rotary is None:
         return None  # no RoPE (GPT-2, OPT)
@@ -207,10 +208,16 @@ def layers_cos_sin(
         tables = [rotary(like, position_ids)]
     if len(tables) == 1:
         cos, sin = tables[0]
-        return cos.unsqueeze(0).expand(len(layers), *cos.shape), sin.unsqueeze(0).expand(len(layers), *sin.shape)
-    which = layer_index([kinds.index(layer_types[i]) for i in layers], position_ids.device)
-    cos = torch.stack([c for c, _ in tables]).index_select(0, which)
-    sin = torch.stack([s for _, s in tables]).index_select(0, which)
+        cos, sin = cos.unsqueeze(0).expand(len(layers), *cos.shape), sin.unsqueeze(0).expand(len(layers), *sin.shape)
+    else:
+        which = layer_index([kinds.index(layer_types[i]) for i in layers], position_ids.device)
+        cos = torch.stack([c for c, _ in tables]).index_select(0, which)
+        sin = torch.stack([s for _, s in tables]).index_select(0, which)
+    # NoPE layers (SmolLM3, Llama 4: `no_rope_layers[i]` is 0) cache unrotated keys: the identity rotation there.
+    uses_rope = getattr(model.config.get_text_config(decoder=True), "no_rope_layers", None)
+    if uses_rope is not None and not all(uses_rope[i] for i in layers):
+        rotated = torch.tensor([bool(uses_rope[i]) for i in layers], device=cos.device)[:, None, None, None]
+        cos, sin = torch.where(rotated, cos, 1.0), torch.where(rotated, sin, 0.0)
     return cos, sin
 
 

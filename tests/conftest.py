@@ -32,6 +32,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from hf_mot import load_model
@@ -108,6 +110,12 @@ def tiny_config(family: str):
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             max_position_embeddings=512, **common,
         )
+    if family == "smollm3":
+        # SmolLM3's NoPE layers: `no_rope_layers[i]` is 0 where layer i caches unrotated keys (here the first).
+        return SmolLM3Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, no_rope_layers=[0, 1], max_position_embeddings=512, **common,
+        )
     if family == "gpt2":
         return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=512, **common)
     if family == "opt":
@@ -122,6 +130,7 @@ MODEL_CLASSES = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "smollm3": SmolLM3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "opt": OPTForCausalLM,
 }

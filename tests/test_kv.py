@@ -54,6 +54,24 @@ def test_rope_keys_become_position_free():
     assert not torch.allclose(cache.layers[0].keys[:, :, 1], cache.layers[0].keys[:, :, 4], atol=1e-3)
 
 
+def test_nope_layers_are_read_unrotated():
+    """SmolLM3's NoPE layer caches keys without RoPE: they are position-free as they are, and undoing RoPE there
+    would make the same token's keys differ between positions; translated keys stay unrotated there."""
+    model, tokenizer = tiny_model("smollm3"), char_tokenizer()
+    encoded = encode_contexts(tokenizer, ["aaaa"])
+    cache = prefill_source(model, encoded)
+    assert torch.allclose(cache.layers[0].keys[:, :, 1], cache.layers[0].keys[:, :, 4], atol=1e-5)
+    keys = read_source_cache(cache, model, encoded.attention_mask).layer(0)[0]
+    assert torch.allclose(keys[:, :, 1], keys[:, :, 4], atol=1e-5)
+    # Finishing translated keys: the same position-free key at every position stays unrotated in the NoPE layer
+    # and is rotated by position in the RoPE layer.
+    same = torch.randn(1, 2, 1, 8).expand(1, 2, 5, 8)
+    positions = torch.arange(5)[None]
+    nope, rope = finish_target_keys(model, [0, 1], torch.stack([same, same]), positions)
+    assert torch.allclose(nope[:, :, 1], nope[:, :, 4], atol=1e-5)
+    assert not torch.allclose(rope[:, :, 1], rope[:, :, 4], atol=1e-3)
+
+
 def test_head_layout_recorded():
     layout = KVLayout.from_config(tiny_model("gemma3").config)
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (3, 2, 8)

@@ -94,15 +94,20 @@ def test_config_refuses_bad_dedicated_layers():
         with_dedicated_layers(with_dedicated_layers(plain, FULL, [0], key_norm=True), FULL, [0], key_norm=True)
 
 
-def test_record_reads_the_targets_own_attention():
+@pytest.mark.parametrize("family, layer, source_layers", [("gemma3", FULL[0], [0, 2]), ("smollm3", 0, [0, 1])])
+def test_record_reads_the_targets_own_attention(family, layer, source_layers):
+    """The queries the fit captures, with the target's own keys and values, give the layer's own attention output
+    (also in SmolLM3's NoPE layer, whose queries are not rotated); and an exact translation (the identity) has no
+    attention error."""
     tokenizer = bpe_tokenizer()
-    """The queries the fit captures, with the target's own keys and values, give the layer's own attention output;
-    and an exact translation (the identity) has no attention error."""
-    model = tiny_model("gemma3")
-    translator = with_dedicated_layers(identity_translator(model, tokenizer), FULL, [0, 2], key_norm=False)
+    model = tiny_model(family)
+    translator = with_dedicated_layers(identity_translator(model, tokenizer), [layer], source_layers, key_norm=False)
     suffix = "\n\nQuestion: what was it?\nAnswer: the cat"
     seen = {}
-    attention = decoder_layers(model)[FULL[0]].self_attn
+    attention = decoder_layers(model)[layer].self_attn
+    with torch.no_grad():  # sharp attention, so that queries rotated wrongly would change its output
+        attention.q_proj.weight.mul_(20)
+        attention.k_proj.weight.mul_(20)
 
     def keep(module, args, out):  # the last call is the pass over context and suffix
         seen["in"] = args[0]
@@ -115,7 +120,7 @@ def test_record_reads_the_targets_own_attention():
     tokens, heads = record.context_tokens, attention.config.num_attention_heads
     assert record.queries.shape[2] == len(tokenizer(suffix, add_special_tokens=False).input_ids)
     values = record.native_values.float().unflatten(-1, (model.config.num_key_value_heads, -1)).transpose(1, 2)
-    _, out = suffix_attention(model, FULL[0], record.queries, record.finished_keys.float(), values)
+    _, out = suffix_attention(model, layer, record.queries, record.finished_keys.float(), values)
     own = seen["in"][0, tokens:].unflatten(-1, (heads, -1)).transpose(0, 1)
     torch.testing.assert_close(out[0], own, atol=2e-3, rtol=2e-3)  # the record keeps keys and values in float16
 

@@ -118,7 +118,9 @@ def _capture_queries(model: PreTrainedModel, layers: list[int]):
             cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
             queries = module.q_proj(hidden).unflatten(-1, (-1, module.head_dim)).transpose(1, 2)
             norm = getattr(module, "q_norm", None)
-            captured[index] = apply_rope(norm(queries) if norm is not None else queries, cos, sin)
+            queries = norm(queries) if norm is not None else queries
+            # A NoPE layer (SmolLM3, Llama 4: `use_rope` false) attends with unrotated queries.
+            captured[index] = apply_rope(queries, cos, sin) if getattr(module, "use_rope", True) else queries
 
         handles.append(attention.register_forward_pre_hook(hook, with_kwargs=True))
     try:
