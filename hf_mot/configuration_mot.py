@@ -237,3 +237,11 @@ class MoTConfig(PretrainedConfig):
         if target_tokens and options.get("architecture", "mixture") == "mixture":
             options.setdefault("target_embedding_size", target_config.get_text_config(decoder=True).hidden_size)
         return cls(source=source.to_dict(), target=target.to_dict(), **options)
+
+    def record_weights(self, source_model, target_model) -> None:
+        """Record the fingerprints of the weights the translator is trained with: `check_pair` warns when it is
+        used with a model of the same shapes but other weights (see `hf_mot.fingerprint`)."""
+        from .fingerprint import weights_fingerprint
+
+        self.source = {**self.source, "weights_fingerprint": weights_fingerprint(source_model)}
+        self.target = {**self.target, "weights_fingerprint": weights_fingerprint(target_model)}

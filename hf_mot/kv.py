@@ -39,6 +39,8 @@ class KVLayout:
     sliding_window: int | None = None
     name_or_path: str = ""
     tokenizer_fingerprint: str | None = None
+    # `fingerprint.weights_fingerprint` of the weights the translator was trained with (None: not recorded).
+    weights_fingerprint: str | None = None
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, tokenizer_fingerprint: str | None = None) -> KVLayout:

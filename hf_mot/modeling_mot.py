@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from .alignment import TokenAlignment
 from .baselines import PerLayerProjector
 from .configuration_mot import MoTConfig
 from .files import write_text_atomically
+from .fingerprint import weights_fingerprint
 from .hub import PUSH_OPTIONS, read_model_card, render_default_card, shipped_translator_dir, upload_folder
 from .kv import KVLayout, cast, tokenizer_fingerprint
 from .mixture import DedicatedLayerPath, DepthMatchedPath, KVMixture, TargetTokenReader, groups_by_last_tokens
@@ -265,7 +267,9 @@ class MoTTranslator(PreTrainedModel):
         )
 
     def check_pair(self, source_model=None, target_model=None, source_tokenizer=None, target_tokenizer=None) -> None:
-        """Raise a `ValueError` if the given models or tokenizers are not the ones this translator was built for."""
+        """Raise a `ValueError` if the given models or tokenizers are not the ones this translator was built for;
+        warn if a model has their shapes but other weights than it was trained with (a base model for its
+        instruct tune, another revision): the translation may then be worse than its card says."""
         checks = (
             ("source_model", source_model, self.source_layout),
             ("target_model", target_model, self.target_layout),
@@ -278,6 +282,14 @@ class MoTTranslator(PreTrainedModel):
                 raise ValueError(
                     f"This translator was built for {name} {layout.describe()} but got {got.describe()}. "
                     f"Load the translator made for this model pair, or train one with `hf-mot train`."
+                )
+            if layout.weights_fingerprint is not None and weights_fingerprint(model) != layout.weights_fingerprint:
+                warnings.warn(
+                    f"`{name}` ({got.name_or_path or got.model_type}) has other weights (fingerprint "
+                    f"{weights_fingerprint(model)}) than the translator was trained with ({layout.name_or_path}, "
+                    f"{layout.weights_fingerprint}): the translation may be worse than its card says. Load "
+                    f"{layout.name_or_path}, or measure it on this model (benchmarks/lm_fidelity.py).",
+                    stacklevel=2,
                 )
         for name, tokenizer, layout in (
             ("source_tokenizer", source_tokenizer, self.source_layout),

@@ -1,5 +1,7 @@
 """Bad input gets a clear error that names the argument and the fix."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, identity_translator, tiny_model
@@ -277,3 +279,21 @@ def test_right_padded_cache(pair):
     _translate(pair, context=contexts, source_cache=prefill_source(model, encoded))  # left-padded: accepted
     with pytest.raises(ValueError, match=r"`source_cache` row 1 .* right-padded batch"):
         _translate(pair, context=contexts, source_cache=right)
+
+
+def test_a_model_with_other_weights_is_warned_about(tmp_path):
+    """Same shapes, other weights (a base model for its instruct tune): `check_pair` warns, naming the side."""
+    model, other, tokenizer = tiny_model("llama"), tiny_model("llama", seed=1), char_tokenizer()
+    translator = MoTTranslator(MoTConfig.from_models(model.config, model.config, source_tokenizer=tokenizer,
+                                                     target_tokenizer=tokenizer))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        translator.check_pair(model, other)  # nothing recorded: nothing to compare
+    translator.config.record_weights(model, model)
+    translator.save_pretrained(tmp_path)
+    loaded = MoTTranslator.from_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded.check_pair(model.to(torch.bfloat16), model)  # the same weights in another dtype
+    with pytest.warns(UserWarning, match=r"`target_model` \(tiny-llama\) has other weights .* than the translator"):
+        loaded.check_pair(model, other)

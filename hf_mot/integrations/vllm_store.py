@@ -23,18 +23,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..files import write_safetensors_atomically
+from ..fingerprint import EMBEDDING_ROW_STRIDE, cached_fingerprint, tensor_digest
 
 STORE_FORMAT = "hf_mot.vllm_store.v1"
-# Sampled rows of the embedding matrix and the whole last MLP down-projection identify a checkpoint: fine-tunes
-# and revisions change the last layer, and a model of another family differs in both.
-_EMBEDDING_ROW_STRIDE = 997
 
 
 class StoreEntryError(ValueError):
@@ -51,13 +48,6 @@ def entry_name(token_ids) -> str:
     return f"{len(token_ids)}-{tokens_key(token_ids)}.safetensors"
 
 
-def _tensor_digest(digest, tensor: torch.Tensor) -> None:
-    # bfloat16 bytes: the same checkpoint loaded in float32 or bfloat16 gives the same fingerprint.
-    data = tensor.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
-    digest.update(str(tuple(tensor.shape)).encode())
-    digest.update(data.numpy().tobytes())
-
-
 def _find(names, suffix: str) -> str:
     found = sorted((n for n in names if n == suffix or n.endswith("." + suffix)), key=len)
     if not found:
@@ -71,30 +61,16 @@ def model_fingerprint(tensors, num_layers: int) -> str:
     digest = hashlib.sha256()
     names = list(tensors.keys())
     embedding = tensors[_find(names, "embed_tokens.weight")]
-    _tensor_digest(digest, embedding[::_EMBEDDING_ROW_STRIDE])
-    _tensor_digest(digest, tensors[_find(names, f"layers.{num_layers - 1}.mlp.down_proj.weight")])
+    tensor_digest(digest, embedding[::EMBEDDING_ROW_STRIDE])
+    tensor_digest(digest, tensors[_find(names, f"layers.{num_layers - 1}.mlp.down_proj.weight")])
     return digest.hexdigest()[:16]
-
-
-# Fingerprints of live modules, dropped when a parameter is replaced, changed in place or moved: hashing a
-# translator's weights on every entry written would cost more than translating a short context.
-_MODULE_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _module_fingerprint(module: torch.nn.Module, compute) -> str:
-    state = tuple((id(p), p._version, p.device, p.dtype) for p in module.parameters())
-    cached = _MODULE_FINGERPRINTS.get(module)
-    if cached is None or cached[0] != state:
-        cached = (state, compute())
-        _MODULE_FINGERPRINTS[module] = cached
-    return cached[1]
 
 
 def _translator_fingerprint(translator: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(translator.state_dict().items()):
         digest.update(name.encode())
-        _tensor_digest(digest, tensor)
+        tensor_digest(digest, tensor)
     return digest.hexdigest()[:16]
 
 
@@ -302,12 +278,12 @@ def write_store_entries(
             "which the connector serves entries by default: pass at least that."
         )
     layout = KVLayout.from_config(target_model.config)
-    target_fp = _module_fingerprint(
-        target_model, lambda: model_fingerprint(target_model.state_dict(), layout.num_layers))
+    target_fp = cached_fingerprint(
+        target_model, "checkpoint", lambda: model_fingerprint(target_model.state_dict(), layout.num_layers))
     source_layers = KVLayout.from_config(source_model.config).num_layers
-    source_fp = _module_fingerprint(
-        source_model, lambda: model_fingerprint(source_model.state_dict(), source_layers))
-    translator_fp = _module_fingerprint(translator, lambda: _translator_fingerprint(translator))
+    source_fp = cached_fingerprint(
+        source_model, "checkpoint", lambda: model_fingerprint(source_model.state_dict(), source_layers))
+    translator_fp = cached_fingerprint(translator, "translator", lambda: _translator_fingerprint(translator))
     space = namespace(translator_fp, source_fp, target_fp)
     folder = Path(store) / space
     folder.mkdir(parents=True, exist_ok=True)

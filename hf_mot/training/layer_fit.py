@@ -409,4 +409,5 @@ def fit_dedicated_layers(
     report["epochs"] = distill_attention(translator, target_model, train, validation, epochs=epochs,
                                          learning_rate=learning_rate, seed=seed, progress=progress)
     report["distilled"] = mean_attention_error(translator, target_model, validation)
+    translator.config.record_weights(source_model, target_model)
     return report

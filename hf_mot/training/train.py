@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         )
         torch.manual_seed(training_args.seed)
         translator = MoTTranslator(config)
+    translator.config.record_weights(source, target)  # what it is trained with: check_pair warns on others
     if args.train_only:
         names = [name for name, _ in translator.named_parameters()]
         trained = [name for name in names if any(part in name for part in args.train_only)]
