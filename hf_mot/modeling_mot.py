@@ -283,10 +283,11 @@ class MoTTranslator(PreTrainedModel):
                     f"This translator was built for {name} {layout.describe()} but got {got.describe()}. "
                     f"Load the translator made for this model pair, or train one with `hf-mot train`."
                 )
-            if layout.weights_fingerprint is not None and weights_fingerprint(model) != layout.weights_fingerprint:
+            fingerprint = weights_fingerprint(model) if layout.weights_fingerprint is not None else None
+            if fingerprint is not None and fingerprint != layout.weights_fingerprint:
                 warnings.warn(
                     f"`{name}` ({got.name_or_path or got.model_type}) has other weights (fingerprint "
-                    f"{weights_fingerprint(model)}) than the translator was trained with ({layout.name_or_path}, "
+                    f"{fingerprint}) than the translator was trained with ({layout.name_or_path}, "
                     f"{layout.weights_fingerprint}): the translation may be worse than its card says. Load "
                     f"{layout.name_or_path}, or measure it on this model (benchmarks/lm_fidelity.py).",
                     stacklevel=2,
