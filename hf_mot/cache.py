@@ -52,6 +52,8 @@ class TranslatedCache(DynamicCache):
         self.num_context_tokens = attention_mask.shape[1]
         # How many of the last context tokens the target read itself rather than taking their translation.
         self.native_tokens = 0
+        # The translator's target adapter (`MoTTranslator.adapt_target`), for `hf_mot`'s own readers of the cache.
+        self.target_adapter = None
 
     def place(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, seen_tokens: int) -> None:
         """Store an empty layer's context states as `update()` would after the layer read `seen_tokens` tokens,

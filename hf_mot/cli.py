@@ -62,6 +62,8 @@ def _load_pair(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> None:
+    import contextlib
+
     import torch
     from transformers import DynamicCache
 
@@ -100,8 +102,10 @@ def _generate(args: argparse.Namespace) -> None:
     prompt = target_tok(args.prompt, return_tensors="pt", add_special_tokens=False).input_ids
 
     def answer(context_cache, mask):
-        out = target.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-                              do_sample=False, **{cache_kwarg(target): context_cache})
+        # The translator's target adapter, if it has one, is on only while the target reads the translated cache.
+        with translator.adapt_target(target) if context_cache is cache else contextlib.nullcontext():
+            out = target.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                                  do_sample=False, **{cache_kwarg(target): context_cache})
         # On one line: the two answers are read side by side.
         return " ".join(target_tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True).split())
 
@@ -224,7 +228,8 @@ def _fit_layers(args: argparse.Namespace) -> None:
     report = fit_dedicated_layers(
         translator, source, source_tok, target, target_tok, pairs=args.pairs, validation_pairs=args.validation_pairs,
         context_words=tuple(args.context_words), ridge=args.ridge, epochs=args.epochs,
-        learning_rate=args.learning_rate, seed=args.seed,
+        learning_rate=args.learning_rate, target_lora_rank=args.target_lora_rank,
+        adapter_learning_rate=args.adapter_learning_rate, seed=args.seed,
     )
     report["command"] = "hf-mot " + " ".join(sys.argv[1:])
     report["started_from"] = translator_name
@@ -391,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ridge penalty, relative to the inputs' mean square (default 1e-3)")
     fit.add_argument("--epochs", type=int, default=4, help="distillation epochs (default 4)")
     fit.add_argument("--learning-rate", type=float, default=1e-4, help="distillation learning rate (default 1e-4)")
+    fit.add_argument("--target-lora-rank", type=int, default=None,
+                     help="also train a LoRA of this rank on the target's query projections of those layers, jointly "
+                          "with the maps; saved next to the translator as a PEFT adapter and active only while the "
+                          "target reads a translated cache (default: none)")
+    fit.add_argument("--adapter-learning-rate", type=float, default=1e-3,
+                     help="the target LoRA's learning rate (default 1e-3)")
     fit.add_argument("--seed", type=int, default=0)
     fit.set_defaults(func=_fit_layers)
 

@@ -83,6 +83,10 @@ class MoTConfig(PretrainedConfig):
             layers per head, as a target with a key norm (Gemma 3, Qwen 3) does to its own keys before scaling
             them. A least-squares fit of keys shrinks them toward their mean, which flattens the target's
             attention; normalising undoes the shrinkage.
+        target_adapter (`str`, *optional*): the subfolder of the translator's folder or repo that holds a PEFT LoRA
+            adapter for the target's query projections in the dedicated layers, trained with their maps
+            (`hf-mot fit-layers --target-lora-rank`). It is active only while the target reads a translated cache
+            (`MoTTranslator.adapt_target`).
         recompute (`float`, *optional*, defaults to 0.0): the share of a native prefill's compute that
             `translate_context(..., recompute=None)` lets the target spend reading part of the context itself (see
             `translate_context`): the translator's recommended point of its speed/quality curve. 0 is pure
@@ -118,6 +122,7 @@ class MoTConfig(PretrainedConfig):
     dedicated_layers: list[int] | None = None
     dedicated_source_layers: list[int] | None = None
     dedicated_key_norm: bool = False
+    target_adapter: str | None = None
     recompute: float = 0.0
 
     def __post_init__(self, **kwargs):
@@ -153,6 +158,8 @@ class MoTConfig(PretrainedConfig):
                 "already."
             )
         self._check_dedicated_layers()
+        if self.target_adapter is not None and not self.dedicated_layers:
+            raise ValueError("`target_adapter` needs `dedicated_layers`: it is trained with their maps.")
         if self.target_embedding_size is not None and self.architecture != "mixture":
             raise ValueError(
                 "`target_embedding_size` (reading the target's tokens) needs `architecture='mixture'`; the "

@@ -47,7 +47,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         digest = hashlib.sha256()
         tensor_digest(digest, model.get_input_embeddings().weight[::EMBEDDING_ROW_STRIDE])
         for name, tensor in sorted(decoder_layers(model)[-1].state_dict().items()):
-            digest.update(name.encode())
+            # A PEFT adapter (hf_mot's target adapter) leaves the model's own weights as they were, under new names.
+            if ".lora_" in name:
+                continue
+            digest.update(name.replace(".base_layer.", ".").encode())
             tensor_digest(digest, tensor)
         return digest.hexdigest()[:16]
 

@@ -48,6 +48,11 @@ def render_model_card(
             f", maps of their own for target layers {config.dedicated_layers} reading source layers "
             f"{config.dedicated_source_layers}" + (" (keys RMS-normalised)" if config.dedicated_key_norm else "")
         )
+    if config.target_adapter:
+        paths += (
+            f", and a LoRA on the target's query projections of those layers ({config.target_adapter}/, a PEFT "
+            "adapter that `translator.adapt_target(target)` turns on while the target reads a translated cache)"
+        )
     eval_results = []
     for mode, summary in (fidelity or {}).items():
         for metric, key in (("gap_closed", "gap_closed"), ("top1_agreement", "top1_agreement")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
@@ -20,6 +21,7 @@ from .fingerprint import weights_fingerprint
 from .hub import PUSH_OPTIONS, read_model_card, render_default_card, shipped_translator_dir, upload_folder
 from .kv import KVLayout, cast, tokenizer_fingerprint
 from .mixture import DedicatedLayerPath, DepthMatchedPath, KVMixture, TargetTokenReader, groups_by_last_tokens
+from .target_adapter import ADAPTER_FOLDER, TargetAdapter
 
 
 @dataclass
@@ -84,6 +86,8 @@ class MoTTranslator(PreTrainedModel):
             self.key_mixture = KVMixture(config, source, target, keys=True)
             self.value_mixture = KVMixture(config, source, target)
         self.model_card: str | None = None  # the card it was loaded with; `save_pretrained` writes it back
+        # The target-side LoRA trained with the dedicated maps (`config.target_adapter`), if any.
+        self.target_adapter: TargetAdapter | None = None
         self.post_init()
 
     @classmethod
@@ -120,6 +124,9 @@ class MoTTranslator(PreTrainedModel):
                 "it again (`force_download=True`) or save the translator again with `save_pretrained`."
             ) from error
         model.model_card = read_model_card(pretrained_model_name_or_path, kwargs)
+        if model.config.target_adapter is not None:
+            model.target_adapter = TargetAdapter.load(pretrained_model_name_or_path, model.config.target_adapter,
+                                                      kwargs)
         return model
 
     def save_pretrained(self, save_directory, *args, model_card=None, push_to_hub: bool = False, **kwargs):
@@ -133,8 +140,15 @@ class MoTTranslator(PreTrainedModel):
         if push and not push_to_hub:
             raise TypeError(f"{sorted(push)} only mean something with `push_to_hub=True`.")
         token = kwargs.get("token")
+        if (self.target_adapter is None) != (self.config.target_adapter is None):
+            raise ValueError(
+                "`config.target_adapter` and the translator's `target_adapter` must be set together: use "
+                "`attach_target_adapter` (or `attach_target_adapter(None)` to drop it)."
+            )
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
+            if self.target_adapter is not None:
+                self.target_adapter.save(os.path.join(save_directory, self.config.target_adapter))
             card = model_card if model_card is not None else self.model_card
             if card is None:
                 card = render_default_card(self, repo_id or os.path.basename(os.path.normpath(save_directory)))
@@ -172,6 +186,28 @@ class MoTTranslator(PreTrainedModel):
             return upload_folder(folder, repo_id, token=token, private=private, revision=revision,
                                   commit_message=commit_message or "Upload MoT translator",
                                   commit_description=commit_description, create_pr=create_pr, tags=tags)
+
+    def attach_target_adapter(self, adapter: TargetAdapter | None) -> None:
+        """Keep `adapter` with the translator (saved in `target_adapter/`, named in the config), or drop it."""
+        if adapter is not None and not self.config.dedicated_layers:
+            raise ValueError("A target adapter is trained with the dedicated layers' maps: this translator has none.")
+        self.target_adapter = adapter
+        self.config.target_adapter = None if adapter is None else ADAPTER_FOLDER
+
+    def adapt_target(self, target_model: PreTrainedModel):
+        """A context manager: inside it, `target_model` runs with this translator's target adapter (a LoRA on the
+        query projections of the dedicated layers) active; outside it, as it was. Wrap the `generate()` (or forward)
+        calls that continue from a translated cache. Translators without an adapter make it do nothing.
+
+        ```python
+        >>> with translator.adapt_target(tgt):
+        ...     out = tgt.generate(input_ids=prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=16)
+        ```
+        """
+        if self.target_adapter is None:
+            return contextlib.nullcontext(target_model)
+        self.check_pair(target_model=target_model)
+        return self.target_adapter.active(target_model)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, KVMixture):

@@ -143,7 +143,8 @@ class MoTPair:
         mask = torch.cat([cache.attention_mask, encoded.attention_mask.to(cache.attention_mask.device)], dim=1)
         generate_kwargs.setdefault("max_new_tokens", 32)
         generate_kwargs.setdefault("do_sample", False)
-        out = model.generate(input_ids=input_ids, attention_mask=mask.to(model.device), **generate_kwargs,
-                             **{cache_kwarg(model): cache})
+        with self.translator.adapt_target(model):
+            out = model.generate(input_ids=input_ids, attention_mask=mask.to(model.device), **generate_kwargs,
+                                 **{cache_kwarg(model): cache})
         answers = tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
         return answers[0] if isinstance(prompt, str) and not isinstance(context, list) and batch == 1 else answers

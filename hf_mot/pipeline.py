@@ -22,6 +22,7 @@ from .kv import (
     tokenizer_fingerprint,
 )
 from .modeling_mot import MoTOutput, MoTTranslator
+from .target_adapter import reading_translated
 
 
 def read_into_cache(model: PreTrainedModel, cache: Cache, input_ids, attention_mask=None, position_ids=None):
@@ -216,6 +217,7 @@ def build_translated_cache(
     )
     if not native_tail:
         cache, _ = fill_translated_cache(translated, target_model, target, source_id=source_id)
+        cache.target_adapter = translator.target_adapter
         return cache
     # The translator reads the whole context (the source tokens of the tail inform the tokens before it, as
     # they would without a tail); only the tail's own translated states are dropped.
@@ -231,8 +233,11 @@ def build_translated_cache(
     cache, _ = fill_translated_cache(translated, target_model, head, source_id=source_id)
     cache.attention_mask, cache.num_context_tokens = target.attention_mask, target.input_ids.shape[1]
     cache.native_tokens = native_tail
-    read_into_cache(target_model, cache, target.input_ids[:, -native_tail:], target.attention_mask,
-                    target.position_ids[:, -native_tail:])
+    cache.target_adapter = translator.target_adapter
+    # The tail's queries read the translated tokens before it: the target adapter is on for them.
+    with reading_translated(cache, target_model):
+        read_into_cache(target_model, cache, target.input_ids[:, -native_tail:], target.attention_mask,
+                        target.position_ids[:, -native_tail:])
     return cache
 
 

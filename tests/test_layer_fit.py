@@ -142,7 +142,8 @@ def test_ridge_start_recovers_a_planted_map():
         native = base + (torch.einsum("tf,lfo->lto", inputs.float(), weight) + bias[:, None])
         records.append(LayerFitRecord(
             key_inputs=inputs, value_inputs=inputs, base_keys=base, base_values=base, native_keys=native,
-            native_values=native, finished_keys=torch.zeros(1), queries=torch.zeros(1),
+            native_values=native, finished_keys=torch.zeros(1), queries=torch.zeros(1), query_inputs=torch.zeros(1),
+            query_cos=torch.zeros(1), query_sin=torch.zeros(1),
         ))
     ridge_start(translator, records, ridge=1e-9)
     for fitted in (translator.key_mixture.dedicated, translator.value_mixture.dedicated):

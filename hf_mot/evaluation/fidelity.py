@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .._compat import cache_kwarg
 from ..data import training_documents, wikipedia_articles
 from ..modeling_mot import MoTTranslator
+from ..target_adapter import reading_translated
 from ..training.data import document_split
 from .qa import translated_conditions
 
@@ -108,7 +109,8 @@ def _continuation_logits(model: PreTrainedModel, ids: torch.Tensor, prefix: int,
         kwargs[cache_kwarg(model)] = cache
         kwargs["attention_mask"] = torch.cat([prefix_mask, torch.ones_like(ids)], 1)
         kwargs["position_ids"] = prefix + torch.arange(ids.shape[1]).unsqueeze(0)
-    logits = model(input_ids=ids, use_cache=cache is not None, **kwargs).logits
+    with reading_translated(cache, model):
+        logits = model(input_ids=ids, use_cache=cache is not None, **kwargs).logits
     return logits[0, :-1].float()
 
 

@@ -20,6 +20,7 @@ from .._compat import cache_kwarg
 from ..alignment import encode_contexts
 from ..modeling_mot import MoTTranslator
 from ..pipeline import prefill_source, read_into_cache, translate_context
+from ..target_adapter import reading_translated
 from .injection import translate_with_window
 from .metrics import choice_correct, exact_match, token_f1
 from .tasks import QAExample
@@ -56,13 +57,14 @@ def answer(
         kwargs = {cache_kwarg(target_model): cache}
     prompt, mask = prompt.to(target_model.device), mask.to(target_model.device)
     if example.choices is not None:
-        log_probs = [
-            _choice_log_prob(target_model, target_tokenizer, prompt, mask, cache, choice) for choice in example.choices
-        ]
+        with reading_translated(cache, target_model):
+            log_probs = [_choice_log_prob(target_model, target_tokenizer, prompt, mask, cache, choice)
+                         for choice in example.choices]
         label = example.choices.index(example.answers[0])
         return {"log_probs": log_probs, "score": choice_correct(log_probs, label)}
-    out = target_model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                do_sample=False, **kwargs)
+    with reading_translated(cache, target_model):
+        out = target_model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                    do_sample=False, **kwargs)
     text = target_tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True).split("\n")[0].strip()
     return {"prediction": text, "score": token_f1(text, example.answers),
             "exact_match": exact_match(text, example.answers)}

@@ -33,6 +33,7 @@ from ..kv import _attention, apply_rope, cast, finish_target_keys, read_source_c
 from ..mixture import rms_normalize
 from ..modeling_mot import MoTTranslator
 from ..pipeline import read_into_cache, read_source_and_align, run_translator
+from ..target_adapter import TargetAdapter
 
 # What `hf-mot fit-layers` writes next to the translator: the fit's command, settings and attention errors.
 LAYER_FIT_RECORD = "layer_fit.json"
@@ -51,6 +52,8 @@ class LayerFitRecord:
         finished_keys: the target's own cached keys (key norm and RoPE applied) of context and suffix, `(L, kv_heads,
             T + S, head_dim)`.
         queries: the target's queries at the suffix positions, RoPE applied, `(L, heads, S, head_dim)`.
+        query_inputs / query_cos / query_sin: what those queries are made from (`layer_queries`), for a target
+            adapter trained with the maps: the layers' hidden states `(L, S, hidden)` and RoPE `(L, S, rope_dim)`.
     """
 
     key_inputs: torch.Tensor
@@ -61,6 +64,9 @@ class LayerFitRecord:
     native_values: torch.Tensor
     finished_keys: torch.Tensor
     queries: torch.Tensor
+    query_inputs: torch.Tensor
+    query_cos: torch.Tensor
+    query_sin: torch.Tensor
 
     @property
     def context_tokens(self) -> int:
@@ -105,24 +111,28 @@ def dedicated_maps_off(translator: MoTTranslator):
                 m.normalized_layers = normalized
 
 
+def layer_queries(attention: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """A layer's queries as its attention uses them: projection (with a target adapter's, when one is active), query
+    norm if any, RoPE. A NoPE layer (SmolLM3, Llama 4: `use_rope` false) attends with unrotated queries."""
+    queries = attention.q_proj(hidden).unflatten(-1, (-1, attention.head_dim)).transpose(1, 2)
+    norm = getattr(attention, "q_norm", None)
+    queries = norm(queries) if norm is not None else queries
+    return apply_rope(queries, cos, sin) if getattr(attention, "use_rope", True) else queries
+
+
 @contextlib.contextmanager
-def _capture_queries(model: PreTrainedModel, layers: list[int]):
-    """Record each layer's queries as its attention uses them (projection, query norm if any, RoPE)."""
-    captured: dict[int, torch.Tensor] = {}
+def _capture_query_inputs(model: PreTrainedModel, layers: list[int]):
+    """Record what each layer's queries are made from: its hidden states and RoPE cos/sin, `(hidden, cos, sin)`."""
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     handles = []
     for index in layers:
-        attention = _attention(model, index)
 
         def hook(module, args, kwargs, index=index):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-            queries = module.q_proj(hidden).unflatten(-1, (-1, module.head_dim)).transpose(1, 2)
-            norm = getattr(module, "q_norm", None)
-            queries = norm(queries) if norm is not None else queries
-            # A NoPE layer (SmolLM3, Llama 4: `use_rope` false) attends with unrotated queries.
-            captured[index] = apply_rope(queries, cos, sin) if getattr(module, "use_rope", True) else queries
+            captured[index] = (hidden, cos, sin)
 
-        handles.append(attention.register_forward_pre_hook(hook, with_kwargs=True))
+        handles.append(_attention(model, index).register_forward_pre_hook(hook, with_kwargs=True))
     try:
         yield captured
     finally:
@@ -172,8 +182,9 @@ def record_pair(
     ids = torch.cat([target_enc.input_ids, suffix_ids.to(target_enc.input_ids.device)], dim=1)
     tokens = target_enc.input_ids.shape[1]
     cache = DynamicCache()  # no config: every layer keeps every token
-    with _capture_queries(target_model, layers) as queries:
+    with _capture_query_inputs(target_model, layers) as captured:
         read_into_cache(target_model, cache, ids, torch.ones_like(ids))
+    suffix_inputs = [tuple(t[0, tokens:] for t in captured[i]) for i in layers]  # (hidden, cos, sin), (S, features)
     native = read_source_cache(cache, target_model, torch.ones_like(ids))
     every = torch.tensor(layers, device=ids.device)
     return LayerFitRecord(
@@ -184,7 +195,11 @@ def record_pair(
         native_keys=native.keys[0, :tokens].index_select(1, every).flatten(2).transpose(0, 1).half(),
         native_values=native.values[0].index_select(1, every).flatten(2).transpose(0, 1).half(),
         finished_keys=torch.stack([cache.layers[i].keys[0] for i in layers]).half(),
-        queries=torch.stack([queries[i][0, :, tokens:] for i in layers]).float(),
+        queries=torch.stack([layer_queries(_attention(target_model, i), *(t[None] for t in inputs))[0]
+                             for i, inputs in zip(layers, suffix_inputs, strict=True)]).float(),
+        query_inputs=torch.stack([inputs[0] for inputs in suffix_inputs]).float(),
+        query_cos=torch.stack([inputs[1] for inputs in suffix_inputs]).float(),
+        query_sin=torch.stack([inputs[2] for inputs in suffix_inputs]).float(),
     )
 
 
@@ -217,9 +232,14 @@ def ridge_start(translator: MoTTranslator, records: list[LayerFitRecord], ridge:
         path.bias.copy_(solution[-1])
 
 
-def attention_error(translator: MoTTranslator, target_model: PreTrainedModel, record: LayerFitRecord):
+def attention_error(translator: MoTTranslator, target_model: PreTrainedModel, record: LayerFitRecord,
+                    adapted: bool = False):
     """Per dedicated layer, the KL from the target's own attention distribution at the suffix positions to the one
-    over the translated context, and the relative error of the attention output: two `(L,)` tensors."""
+    over the translated context, and the relative error of the attention output: two `(L,)` tensors.
+
+    With `adapted`, the queries that attend over the translated context are made again by the target's layers, so
+    that an adapter active on their query projections takes part; the target's own attention keeps its own queries.
+    """
     config = translator.config
     layers = config.dedicated_layers
     layout = config.target_layout
@@ -247,7 +267,12 @@ def attention_error(translator: MoTTranslator, target_model: PreTrainedModel, re
     with torch.no_grad():
         native_log_probs, native_out = suffix_attention(target_model, layers[0], record.queries, native_keys,
                                                         native_values)
-    log_probs, out = suffix_attention(target_model, layers[0], record.queries, keys, values)
+    queries = record.queries
+    if adapted:
+        parts = (record.query_inputs, record.query_cos, record.query_sin)
+        queries = torch.stack([layer_queries(_attention(target_model, layer), *(t[j][None] for t in parts))[0]
+                               for j, layer in enumerate(layers)])
+    log_probs, out = suffix_attention(target_model, layers[0], queries, keys, values)
     # Keys a query cannot see have -inf on both sides: no -inf - -inf there.
     gap = (native_log_probs - log_probs).masked_fill(native_log_probs.isinf(), 0.0)
     kl = (native_log_probs.exp() * gap).sum(-1).mean((1, 2))
@@ -274,10 +299,11 @@ def suffix_attention(
     return log_probs, log_probs.exp() @ values
 
 
-def mean_attention_error(translator, target_model, records: list[LayerFitRecord]) -> dict[str, list[float]]:
+def mean_attention_error(translator, target_model, records: list[LayerFitRecord], adapted: bool = False
+                         ) -> dict[str, list[float]]:
     """`attention_error` averaged over `records`, per dedicated layer."""
     with torch.no_grad():
-        parts = [attention_error(translator, target_model, record) for record in records]
+        parts = [attention_error(translator, target_model, record, adapted) for record in records]
     return {"kl": torch.stack([p[0] for p in parts]).mean(0).tolist(),
             "output_error": torch.stack([p[1] for p in parts]).mean(0).tolist()}
 
@@ -290,20 +316,31 @@ def distill_attention(
     *,
     epochs: int = 4,
     learning_rate: float = 1e-4,
+    adapter: list[torch.nn.Parameter] | None = None,
+    adapter_learning_rate: float = 1e-3,
     seed: int = 0,
     progress: bool = True,
 ) -> list[dict]:
     """Train the dedicated maps on `attention_error` (KL plus output error, every layer alike), one record per
     step, with a cosine learning rate. Keeps the epoch with the lowest validation loss.
 
+    `adapter`: the parameters of a target adapter on the dedicated layers' query projections, active on
+    `target_model`, trained jointly (at `adapter_learning_rate`) on the queries it makes (`attention_error`'s
+    `adapted`).
+
     Returns one dict per epoch: its validation KL and output error per layer, and their mean (`loss`).
     """
     paths = [translator.key_mixture.dedicated, translator.value_mixture.dedicated]
     params = [p for path in paths for p in path.parameters()]
+    adapter = list(adapter or [])
+    adapted = bool(adapter)
     frozen = [p for p in translator.parameters() if all(p is not q for q in params)]
     for p in frozen:
         p.requires_grad_(False)
-    optimizer = torch.optim.Adam(params, lr=learning_rate)
+    groups = [{"params": params, "lr": learning_rate, "base_lr": learning_rate}]
+    if adapted:
+        groups.append({"params": adapter, "lr": adapter_learning_rate, "base_lr": adapter_learning_rate})
+    optimizer = torch.optim.Adam(groups)
     steps, step = epochs * len(train), 0
     rng = random.Random(seed)
     history, best, best_loss = [], None, math.inf
@@ -313,24 +350,28 @@ def distill_attention(
             rng.shuffle(order)
             for index in tqdm(order, desc=f"distill epoch {epoch + 1}/{epochs}", disable=not progress):
                 for group in optimizer.param_groups:
-                    group["lr"] = learning_rate * 0.5 * (1 + math.cos(math.pi * step / steps))
-                kl, error = attention_error(translator, target_model, train[index])
+                    group["lr"] = group["base_lr"] * 0.5 * (1 + math.cos(math.pi * step / steps))
+                kl, error = attention_error(translator, target_model, train[index], adapted)
                 loss = kl.mean() + error.mean()
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
                 step += 1
-            scores = mean_attention_error(translator, target_model, validation)
+            scores = mean_attention_error(translator, target_model, validation, adapted)
             scores["loss"] = sum(scores["kl"]) / len(scores["kl"]) + sum(scores["output_error"]) / len(
                 scores["output_error"])
             history.append({"epoch": epoch + 1, **scores})
             if scores["loss"] < best_loss:
-                best_loss, best = scores["loss"], [copy.deepcopy(path.state_dict()) for path in paths]
+                best_loss = scores["loss"]
+                best = ([copy.deepcopy(path.state_dict()) for path in paths], [p.detach().clone() for p in adapter])
     finally:
         for p in frozen:
             p.requires_grad_(True)
-    for path, state in zip(paths, best, strict=True):
+    for path, state in zip(paths, best[0], strict=True):
         path.load_state_dict(state)
+    with torch.no_grad():
+        for p, kept in zip(adapter, best[1], strict=True):
+            p.copy_(kept)
     return history
 
 
@@ -376,10 +417,16 @@ def fit_dedicated_layers(
     ridge: float = 1e-3,
     epochs: int = 4,
     learning_rate: float = 1e-4,
+    target_lora_rank: int | None = None,
+    adapter_learning_rate: float = 1e-3,
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
     """Fit `translator`'s dedicated maps in place: a ridge start, then attention distillation (module docstring).
+
+    With `target_lora_rank`, a LoRA of that rank on the target's query projections of the dedicated layers is
+    distilled jointly with the maps and attached to the translator (`MoTTranslator.attach_target_adapter`); the
+    target model is left as it was.
 
     Training and validation pairs come from disjoint documents of the corpus's training split
     (`hf_mot.training.data.retrieval_pairs`): the validation split, where reported fidelity comes from, stays
@@ -406,8 +453,20 @@ def fit_dedicated_layers(
         report["without"] = mean_attention_error(translator, target_model, validation)
     ridge_start(translator, train, ridge)
     report["ridge"] = mean_attention_error(translator, target_model, validation)
-    report["epochs"] = distill_attention(translator, target_model, train, validation, epochs=epochs,
-                                         learning_rate=learning_rate, seed=seed, progress=progress)
-    report["distilled"] = mean_attention_error(translator, target_model, validation)
+    adapter_config, adapter = None, None
+    if target_lora_rank is not None:
+        adapter_config, adapter = TargetAdapter.new(target_model, layers, target_lora_rank)
+        report["target_lora_rank"] = target_lora_rank
+    try:
+        report["epochs"] = distill_attention(translator, target_model, train, validation, epochs=epochs,
+                                             learning_rate=learning_rate, adapter=adapter,
+                                             adapter_learning_rate=adapter_learning_rate, seed=seed,
+                                             progress=progress)
+        report["distilled"] = mean_attention_error(translator, target_model, validation, adapted=adapter is not None)
+    finally:
+        if adapter_config is not None:
+            trained = TargetAdapter.take(target_model, adapter_config)
+    if adapter_config is not None:
+        translator.attach_target_adapter(trained)
     translator.config.record_weights(source_model, target_model)
     return report
