@@ -105,3 +105,13 @@ def test_recomputed_tail_reads_with_the_adapter(fitted):
         torch.testing.assert_close(a.keys[..., :-tail, :], b.keys[..., :-tail, :])
         # Layer FULL[0] 's own keys come before its attention; the layers after it read its adapted output.
         assert torch.equal(a.values[..., -tail:, :], b.values[..., -tail:, :]) == (index <= FULL[0])
+
+
+def test_vllm_store_refuses_a_translator_with_an_adapter(fitted, tmp_path):
+    from hf_mot.integrations.vllm_store import write_store_entries
+
+    with pytest.raises(ValueError, match="target adapter"):
+        write_store_entries(tmp_path, CONTEXTS[0], translator=fitted["translator"], source_model=fitted["source"],
+                            source_tokenizer=fitted["char"], target_model=fitted["target"],
+                            target_tokenizer=fitted["bpe"])
+    assert not any(tmp_path.iterdir())

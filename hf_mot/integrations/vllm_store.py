@@ -267,6 +267,12 @@ def write_store_entries(
         tokens_kept,
     )
 
+    if translator.target_adapter is not None:
+        raise ValueError(
+            "This translator has a target adapter (a LoRA the target must run with while it reads the translation: "
+            f"{translator.config.target_adapter}/), which the vLLM connector does not apply yet. Serve it with "
+            "transformers (`translator.adapt_target`), or use a translator without one."
+        )
     contexts = [context] if isinstance(context, str) else context
     if source_cache is not None and len(contexts) != 1:
         raise ValueError(f"`source_cache` is the cache of one context, but {len(contexts)} contexts were given.")
