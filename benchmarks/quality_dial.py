@@ -5,6 +5,8 @@ For every context, side by side:
 - `native`: the target reads the context itself (the re-read, 1x, 100% by definition);
 - `recompute=r` for each `--budgets` r: `translate_context(..., recompute=r)` from the source's cache, which is
   read once per context and given (the shared-document case translation is for);
+- `bottom r` for each `--bottom` r: `translate_context(..., recompute=r, strategy="bottom")`, the same budget
+  spent on the target reading its bottom layers itself, the translation above them;
 - `control r`: the target reads only the `floor(r * tokens)` tokens the dial would have it recompute, and no
   translation; at r = 0 that is no context at all. A dial setting is worth its translation only above this line;
 - `no_context`: the floor.
@@ -85,7 +87,7 @@ def _answers(questions, target, target_tok, cache, mask) -> list[float]:
 
 
 @torch.no_grad()
-def measure(item, budgets, translator, source, source_tok, target, target_tok, compare=None) -> dict:
+def measure(item, budgets, translator, source, source_tok, target, target_tok, compare=None, bottom=()) -> dict:
     task, context, questions = item
     row = {"task": task, "questions": [q.question for q in questions]}
     target_enc = encode_contexts(target_tok, [context])
@@ -97,15 +99,17 @@ def measure(item, budgets, translator, source, source_tok, target, target_tok, c
     source_enc = encode_contexts(source_tok, [context])
     source_cache, row["source_seconds"] = _timed(lambda: prefill_source(source, source_enc))
 
-    def translated(translator, r):
+    def translated(translator, r, strategy="tail"):
         cache, seconds = _timed(lambda: translate_context(
             context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
-            target_tokenizer=target_tok, source_cache=source_cache, recompute=r))
+            target_tokenizer=target_tok, source_cache=source_cache, recompute=r, strategy=strategy))
         return {"scores": _answers(questions, target, target_tok, cache, cache.attention_mask), "seconds": seconds,
                 "native_tokens": cache.native_tokens}
 
     for name, other in (compare or {}).items():
         row[name] = translated(other, 0.0)
+    for r in bottom:
+        row[f"bottom {r:g}"] = translated(translator, r, "bottom")
     for r in budgets:
         row[f"recompute={r:g}"] = translated(translator, r)
         tail = int(r * tokens)
@@ -131,7 +135,8 @@ def _bootstrap(values_fn, n: int, resamples: int, seed: int) -> tuple[float, flo
     return stats[int(0.025 * resamples)], stats[int(0.975 * resamples) - 1]
 
 
-def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, compare: tuple[str, ...] = ()) -> dict:
+def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, compare: tuple[str, ...] = (),
+              bottom: tuple[float, ...] = ()) -> dict:
     """Per task (and all tasks pooled): per condition mean score, retention and speed-ups, with intervals."""
     tasks = sorted({r["task"] for r in rows}) + ["all"]
     out = {}
@@ -158,7 +163,7 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
                         resamples, 1)
             return entry
 
-        names = ["no_context", *compare] + [f"recompute={r:g}" for r in budgets]
+        names = ["no_context", *compare] + [f"recompute={r:g}" for r in budgets] + [f"bottom {r:g}" for r in bottom]
         names += [f"control {r:g}" for r in budgets if all(f"control {r:g}" in row for row in chosen)]
         out[task] = {"contexts": len(chosen), "questions": sum(len(r["native"]) for r in chosen),
                      "context_tokens": statistics.median(r["context_tokens"] for r in chosen),
@@ -168,12 +173,13 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
     return out
 
 
-def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = ()) -> str:
+def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (), bottom: tuple[float, ...] = ()) -> str:
     lines = ["| task | contexts | tokens | native score | setting | score | retention [95% CI] | speed-up [95% CI] "
              "| with source prefill |", "|---|---|---|---|---|---|---|---|---|"]
     for task, s in summary.items():
         head = f"| {task} | {s['contexts']} | {s['context_tokens']:.0f} | {s['native_score']:.3f} "
         settings = [f"{kind}{r:g}" for r in budgets for kind in ("recompute=", "control ")]
+        settings += [f"bottom {r:g}" for r in bottom]
         for name in ["no_context", *compare, *settings]:
             if name not in s:
                 continue
@@ -186,7 +192,8 @@ def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = ()) ->
     return "\n".join(lines)
 
 
-def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ...] = ()) -> Path | None:
+def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ...] = (),
+         bottom: tuple[float, ...] = ()) -> Path | None:
     plt = pyplot()
     if plt is None:
         return None
@@ -200,8 +207,11 @@ def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ..
         ax.set_visible(False)
     for ax, task in zip(axes.flat, tasks, strict=False):
         s = summary[task]
-        for kind, style in (("recompute=", "o-"), ("control ", "s--")):
-            points = [(s[f"{kind}{r:g}"], r) for r in budgets if f"{kind}{r:g}" in s]
+        labels = {"recompute=": "translate + recompute the tail", "control ": "control: recompute only",
+                  "bottom ": "translate + read the bottom layers"}
+        for kind, style, values in (("recompute=", "o-", budgets), ("control ", "s--", budgets),
+                                    ("bottom ", "^-", bottom)):
+            points = [(s[f"{kind}{r:g}"], r) for r in values if f"{kind}{r:g}" in s]
             if kind == "control " and "no_context" in s:
                 points = [(s["no_context"] | {"speedup": float("nan")}, 0.0)] + points
             points = [(e, r) for e, r in points if e.get("speedup") == e.get("speedup")]
@@ -211,8 +221,7 @@ def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ..
             ys = [100 * e["retention"] for e, _ in points]
             errors = [[100 * (e["retention"] - e["retention_interval"][0]) for e, _ in points],
                       [100 * (e["retention_interval"][1] - e["retention"]) for e, _ in points]]
-            ax.errorbar(xs, ys, yerr=errors, fmt=style, capsize=2,
-                        label="translate + recompute" if kind == "recompute=" else "control: recompute only")
+            ax.errorbar(xs, ys, yerr=errors, fmt=style, capsize=2, label=labels[kind])
             for x, y, (_, r) in zip(xs, ys, points, strict=True):
                 ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
         for name in compare:
@@ -250,6 +259,9 @@ def main() -> None:
     parser.add_argument("--reuse-documents", type=int, default=4, help="documents of 8 questions each")
     parser.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
                         help="another translator, measured at r = 0 beside the dial (repeatable)")
+    parser.add_argument("--bottom", type=float, nargs="*", default=[],
+                        help="budgets r in (0, 1) also spent on the target reading its bottom layers "
+                             "(strategy='bottom'), beside the tail (default: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/quality_dial.json"))
     args = parser.parse_args()
@@ -257,6 +269,9 @@ def main() -> None:
         parser.error("--compare takes NAME=PATH, e.g. --compare fitted=runs/fitted.")
     if any(not 0 <= r < 1 for r in args.budgets):
         parser.error(f"--budgets must lie in [0, 1): 1 is the native point, always measured; got {args.budgets}.")
+    if any(not 0 < r < 1 for r in args.bottom):
+        parser.error(f"--bottom must lie in (0, 1): r = 0 reads no layer; got {args.bottom}.")
+    bottom = tuple(args.bottom)
 
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
@@ -266,27 +281,28 @@ def main() -> None:
     names = tuple(compare)
     items = _items(args, target_tok)
     # Once untimed first: the first calls pay one-off costs (kernel selection, allocations, the first-token cache).
-    measure(items[0], args.budgets, translator, source, source_tok, target, target_tok, compare)
+    measure(items[0], args.budgets, translator, source, source_tok, target, target_tok, compare, bottom)
     rows = []
 
     def report(complete: bool) -> dict:
-        summary = summarize(rows, args.budgets, compare=names)
+        summary = summarize(rows, args.budgets, compare=names, bottom=bottom)
         return {
             "command": "python " + " ".join(sys.argv), "machine": machine_info(), "complete": complete,
             "models": {"source": args.source, "target": args.target, "translator": args.translator,
                        "compare": dict(spec.split("=", 1) for spec in args.compare)},
-            "budgets": args.budgets, "summary": summary, "table": table(summary, args.budgets, names), "rows": rows,
+            "budgets": args.budgets, "bottom": list(bottom), "summary": summary,
+            "table": table(summary, args.budgets, names, bottom), "rows": rows,
         }
 
     for item in tqdm(items, desc="contexts"):
-        rows.append(measure(item, args.budgets, translator, source, source_tok, target, target_tok, compare))
+        rows.append(measure(item, args.budgets, translator, source, source_tok, target, target_tok, compare, bottom))
         if len(rows) % 10 == 0:  # a long run that is stopped keeps what it measured, marked incomplete
             write_json_atomically(args.output, report(complete=False))
     final = report(complete=True)
     print(final["table"])
     write_json_atomically(args.output, final)
     summary = final["summary"]
-    figure = plot(summary, args.budgets, args.output.with_suffix(".png"), names)
+    figure = plot(summary, args.budgets, args.output.with_suffix(".png"), names, bottom)
     print(f"wrote {args.output}" + (f" and {figure}" if figure else ""))
 
 

@@ -52,6 +52,8 @@ class TranslatedCache(DynamicCache):
         self.num_context_tokens = attention_mask.shape[1]
         # How many of the last context tokens the target read itself rather than taking their translation.
         self.native_tokens = 0
+        # How many of the bottom layers hold the target's own keys and values (`strategy="bottom"`).
+        self.native_layers = 0
         # The translator's target adapter (`MoTTranslator.adapt_target`), for `hf_mot`'s own readers of the cache.
         self.target_adapter = None
 

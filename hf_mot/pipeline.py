@@ -9,6 +9,13 @@ from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokeniz
 
 from ._compat import cache_kwarg, returned_cache
 from .alignment import EncodedContext, TokenAlignment, align_contexts, check_contexts, encode_contexts
+from .bottom_layers import (
+    bottom_layer_share,
+    bottom_layers_within,
+    check_strategy,
+    place_bottom_layers,
+    read_bottom_layers,
+)
 from .cache import TranslatedCache
 from .configuration_mot import check_recompute
 from .kv import (
@@ -367,6 +374,7 @@ def translate_context(
     source_cache: Cache | None = None,
     native_tail: int = 0,
     recompute: float | None = None,
+    strategy: str = "tail",
 ) -> TranslatedCache:
     """Translate what the source model read into a cache the target model can continue from.
 
@@ -388,6 +396,10 @@ def translate_context(
             context). `None` takes the translator's recommended value (`translator.config.recompute`), or none
             when `native_tail` is given. How the budget is spent may improve between versions; the budget is the
             promise.
+        strategy (`str`, *optional*, defaults to `"tail"`): how `recompute` is spent. `"tail"`: the last tokens, as
+            above. `"bottom"`: the target reads the whole context through as many of its bottom layers as the
+            budget pays for, which gives it its own keys and values there (and in the layer above them); the
+            translation fills the layers above (`hf_mot.bottom_layers`).
 
     Returns:
         [`TranslatedCache`]: pass it to `target_model.generate()` with only the new tokens as `input_ids`.
@@ -404,8 +416,14 @@ def translate_context(
     source_enc, target_enc = encode_pair(context, translator, source_model, source_tokenizer, target_model,
                                          target_tokenizer)
     share = _recompute_share(recompute, native_tail, translator)
+    if check_strategy(strategy) == "bottom" and native_tail:
+        raise ValueError("`strategy='bottom'` spends `recompute` on layers, not tokens: pass `recompute`, not "
+                         "`native_tail`.")
     if share == 1.0:
         return read_context(target_model, target_enc, source_id=source_model.config.name_or_path)
+    if share and strategy == "bottom":
+        return _translate_above_bottom(translator, source_model, source_tokenizer, target_model, target_tokenizer,
+                                       source_enc, target_enc, source_cache, share)
     if share:
         native_tail = int(share * target_enc.input_ids.shape[1])
     _check_native_tail(native_tail, target_enc.input_ids.shape[1])
@@ -420,3 +438,25 @@ def translate_context(
         native_tail=native_tail,
         source_id=source_model.config.name_or_path,
     )
+
+
+def _translate_above_bottom(translator, source_model, source_tokenizer, target_model, target_tokenizer, source_enc,
+                            target_enc, source_cache, share: float) -> TranslatedCache:
+    """`translate_context`'s `strategy="bottom"`: the target's own bottom layers, the translation above them."""
+    tokens = target_enc.input_ids.shape[1]
+    layers = bottom_layers_within(target_model.config, share, tokens)
+    if layers is None:
+        raise ValueError(
+            f"`recompute={share:g}` does not pay for the target's first layer on {tokens} tokens (it costs "
+            f"{bottom_layer_share(target_model.config, 0, tokens):.3f} of a prefill): raise it, or use "
+            "`strategy='tail'`."
+        )
+    source, alignment = read_source_and_align(source_model, source_tokenizer, target_tokenizer, source_enc,
+                                              target_enc, source_cache)
+    cache = build_translated_cache(translator, source, alignment, target_model, target_enc,
+                                   source_id=source_model.config.name_or_path)
+    bottom = read_bottom_layers(target_model, target_enc.input_ids, target_enc.attention_mask,
+                                target_enc.position_ids, layers)
+    place_bottom_layers(cache, bottom, layers)
+    cache.native_layers = layers + 1
+    return cache

@@ -163,7 +163,7 @@ def identity_translator(model, tokenizer, **options):
 
 
 def native_and_translated(
-    model, tokenizer, translator, contexts, prompt, *, native_tail=0, recompute=None, window=None,
+    model, tokenizer, translator, contexts, prompt, *, native_tail=0, recompute=None, strategy="tail", window=None,
     target=None, target_tokenizer=None, **generate_kwargs
 ):
     """Generate from native prefill of context + prompt, and from the translated cache + prompt (or, with
@@ -182,7 +182,7 @@ def native_and_translated(
     models = dict(translator=translator, source_model=source, source_tokenizer=source_tokenizer, target_model=model,
                   target_tokenizer=tokenizer)
     if window is None:
-        cache = translate_context(contexts, **models, native_tail=native_tail, recompute=recompute)
+        cache = translate_context(contexts, **models, native_tail=native_tail, recompute=recompute, strategy=strategy)
     else:
         cache = translate_with_window(contexts, **models, window=window)
     batch = len(contexts) if isinstance(contexts, list) else 1
