@@ -61,6 +61,10 @@ def main() -> None:
     parser.add_argument("--native-tail", type=int, default=0, metavar="K",
                         help="also run full mode with the last K context tokens read by the target itself "
                              "(`native_tail`), and the floor for it: the target reading those K tokens alone")
+    parser.add_argument("--bottom", type=float, default=None, metavar="R",
+                        help="also run recompute=R spent on the target reading its bottom layers "
+                             "(strategy='bottom'); a translator whose dedicated maps read the target's residual "
+                             "stream (hf-mot fit-layers --bottom-layers) runs in this mode only")
     parser.add_argument("--part", choices=HELDOUT_PARTS, default="test",
                         help="held-out documents to cut pairs from: 'test' (the reported figures) or 'selection' "
                              "(disjoint from them: for choosing a checkpoint or a setting)")
@@ -94,6 +98,10 @@ def main() -> None:
         modes["window"] = {"window": tuple(args.window)}
     if args.native_tail:
         modes[f"full+tail{args.native_tail}"] = {"native_tail": args.native_tail}
+    if args.bottom is not None:
+        if not 0 < args.bottom < 1:
+            parser.error(f"--bottom must lie in (0, 1), got {args.bottom}.")
+        modes[f"bottom{args.bottom:g}"] = {"recompute": args.bottom, "strategy": "bottom"}
 
     # One pass over the examples: the native and no-context scores are shared by every translator.
     conditions, paths = {}, {}
@@ -107,8 +115,13 @@ def main() -> None:
         else:
             translator = MoTTranslator.from_pretrained(path)
         paths[name] = path
+        conditioned = translator.config.dedicated_bottom_layers is not None
+        if conditioned and args.bottom is None:
+            parser.error(f"{path} reads the target's residual stream: it runs only with --bottom R.")
         for mode, options in modes.items():
-            if mode.startswith("full") or name not in args.full_only:
+            if conditioned and not mode.startswith("bottom"):
+                continue
+            if mode.startswith(("full", "bottom")) or name not in args.full_only:
                 conditions[f"{name}/{mode}"] = {**options, "translator": translator.eval()}
     start = time.perf_counter()
     rows = evaluate_fidelity(

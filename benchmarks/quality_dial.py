@@ -18,7 +18,8 @@ cache given, and also counting the source's own prefill. Times include tokenizin
 greedy and not timed.
 
 `--compare NAME=PATH` adds other translators at pure translation (r = 0), side by side on the same contexts (the
-source cache and the native answers are shared).
+source cache and the native answers are shared); one whose dedicated maps read the target's residual stream
+(`hf-mot fit-layers --bottom-layers`) is measured at each `--bottom` r instead, as `NAME bottom r`.
 
 Tasks: `synthetic` (extractive QA over made-up people, one question per document), `needle` (a made-up fact at
 10/50/90% depth of a Wikipedia article cut to each `--needle-lengths`), `quac` (first questions of QuAC
@@ -106,8 +107,8 @@ def measure(item, budgets, translator, source, source_tok, target, target_tok, c
         return {"scores": _answers(questions, target, target_tok, cache, cache.attention_mask), "seconds": seconds,
                 "native_tokens": cache.native_tokens}
 
-    for name, other in (compare or {}).items():
-        row[name] = translated(other, 0.0)
+    for name, (other, r, strategy) in (compare or {}).items():
+        row[name] = translated(other, r, strategy)
     for r in bottom:
         row[f"bottom {r:g}"] = translated(translator, r, "bottom")
     for r in budgets:
@@ -258,7 +259,8 @@ def main() -> None:
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--reuse-documents", type=int, default=4, help="documents of 8 questions each")
     parser.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
-                        help="another translator, measured at r = 0 beside the dial (repeatable)")
+                        help="another translator, measured at r = 0 beside the dial, or at each --bottom R if its "
+                             "dedicated maps read the target's residual stream (repeatable)")
     parser.add_argument("--bottom", type=float, nargs="*", default=[],
                         help="budgets r in (0, 1) also spent on the target reading its bottom layers "
                              "(strategy='bottom'), beside the tail (default: none)")
@@ -276,8 +278,19 @@ def main() -> None:
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
     translator = MoTTranslator.from_pretrained(args.translator).eval()
-    compare = {name: MoTTranslator.from_pretrained(path).eval()
-               for name, path in (spec.split("=", 1) for spec in args.compare)}
+    if translator.config.dedicated_bottom_layers is not None:
+        parser.error(f"{args.translator} reads the target's residual stream (strategy 'bottom' only): measure it "
+                     "with --compare NAME=PATH beside --bottom R, and a plain translator as --translator.")
+    compare = {}  # row name -> (translator, r, strategy)
+    for name, path in (spec.split("=", 1) for spec in args.compare):
+        other = MoTTranslator.from_pretrained(path).eval()
+        if other.config.dedicated_bottom_layers is None:
+            compare[name] = (other, 0.0, "tail")
+        elif not bottom:
+            parser.error(f"{path} reads the target's residual stream: it is measured at each --bottom R, and none "
+                         "was given.")
+        else:
+            compare.update({f"{name} bottom {r:g}": (other, r, "bottom") for r in bottom})
     names = tuple(compare)
     items = _items(args, target_tok)
     # Once untimed first: the first calls pay one-off costs (kernel selection, allocations, the first-token cache).

@@ -4,7 +4,8 @@ Gemma 3 retrieves through its full-attention layers; the first of them (layer 5)
 five sliding-window layers below it. Reading layers 0-4 natively and stopping once layer 5 has cached its keys and
 values gives the target exact keys and values for its bottom six layers, at about a quarter of a prefill; the
 translation fills the layers above. On the shipped translation that took QA retention from 59% to 74% of native
-(docs/EXPERIMENTS.md).
+(docs/EXPERIMENTS.md). A translator whose dedicated maps read the residual stream entering layer 5
+(`MoTConfig.dedicated_bottom_layers`) gets it from the same read.
 
 `recompute=r` with `strategy="bottom"` buys the most bottom layers whose cost stays within `r` of a prefill's
 (`bottom_layers_within`), counted in multiply-adds of the projections, MLPs and attention (sliding layers attend
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from transformers import DynamicCache, PreTrainedModel
 
-from .kv import _attention, decoder_layers
+from .kv import decoder_layers
 
 
 class _Stop(Exception):
@@ -23,7 +24,7 @@ class _Stop(Exception):
 
 
 def _layer_costs(config, tokens: int) -> list[tuple[float, float]]:
-    """Per layer, multiply-adds per context token: (before its attention's output projection, after it)."""
+    """Per layer, multiply-adds per context token: (its query, key and value projections; the rest)."""
     text = config.get_text_config(decoder=True)
     hidden, heads = text.hidden_size, text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
@@ -35,15 +36,15 @@ def _layer_costs(config, tokens: int) -> list[tuple[float, float]]:
     for kind in kinds:
         # A query attends over half the context on average, a sliding-window one over at most its window.
         span = min(window, tokens) if kind == "sliding_attention" else tokens / 2
-        before = hidden * head_dim * (heads + 2 * kv_heads) + 2 * span * heads * head_dim
-        after = heads * head_dim * hidden + 3 * hidden * inner
-        costs.append((float(before), float(after)))
+        projections = hidden * head_dim * (heads + 2 * kv_heads)
+        rest = 2 * span * heads * head_dim + heads * head_dim * hidden + 3 * hidden * inner
+        costs.append((float(projections), float(rest)))
     return costs
 
 
 def bottom_layer_share(config, layers: int, tokens: int) -> float:
     """The share of a prefill's multiply-adds that reading layers `0 .. layers - 1` whole, and layer `layers` up
-    to its cached keys and values (its queries and attention included), costs on `tokens` context tokens."""
+    to its cached keys and values (its projections, not its attention), costs on `tokens` context tokens."""
     costs = _layer_costs(config, tokens)
     total = sum(b + a for b, a in costs)
     spent = sum(b + a for b, a in costs[:layers]) + (costs[layers][0] if layers < len(costs) else 0.0)
@@ -61,28 +62,54 @@ def bottom_layers_within(config, budget: float, tokens: int) -> int | None:
     return best
 
 
-def read_bottom_layers(target_model: PreTrainedModel, input_ids, attention_mask, position_ids, layers: int):
-    """The target's own cache of the context in layers `0 .. layers` (a `DynamicCache` of its config), reading
-    layers `0 .. layers - 1` whole and stopping in layer `layers` once its attention has cached its keys and values
-    (before its output projection): nothing above is computed."""
+class _CacheUntil(DynamicCache):
+    """A `DynamicCache` of the target's config that stops the forward once layer `last` has cached its states."""
+
+    def __init__(self, config, last: int):
+        super().__init__(config=config)
+        self.last = last
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == self.last:
+            raise _Stop
+        return out
+
+
+def read_bottom_layers(target_model: PreTrainedModel, input_ids, attention_mask, position_ids, layers: int,
+                       residual_at: int | None = None):
+    """The target's own cache of the context in layers `0 .. layers` (a `DynamicCache`), reading layers `0 ..
+    layers - 1` whole and stopping in layer `layers` once it has cached its keys and values (before its
+    attention): nothing above is computed.
+
+    With `residual_at` (at most `layers`), also the residual stream entering that layer, `(batch, tokens, hidden)`:
+    returns `(cache, residual)` then.
+    """
     if not 0 <= layers < len(decoder_layers(target_model)) - 1:
         raise ValueError(f"`layers` must be in [0, {len(decoder_layers(target_model)) - 2}], got {layers}.")
+    if residual_at is not None and not 0 <= residual_at <= layers:
+        raise ValueError(f"`residual_at` must be in [0, {layers}] (a layer the read reaches), got {residual_at}.")
     from .pipeline import read_into_cache
 
-    def stop(module, args):
-        raise _Stop
+    captured = []
 
-    cache = DynamicCache(config=target_model.config)
-    handle = _attention(target_model, layers).o_proj.register_forward_pre_hook(stop)
+    def capture(module, args, kwargs):
+        captured.append(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+
+    cache = _CacheUntil(target_model.config, layers)
+    handle = None
+    if residual_at is not None:
+        handle = decoder_layers(target_model)[residual_at].register_forward_pre_hook(capture, with_kwargs=True)
     try:
         read_into_cache(target_model, cache, input_ids, attention_mask, position_ids)
     except _Stop:
         pass
     else:
-        raise RuntimeError(f"Layer {layers}'s output projection never ran: the bottom read did not stop there.")
+        raise RuntimeError(f"Layer {layers} never cached its states: the bottom read did not stop there.")
     finally:
-        handle.remove()
-    return cache
+        if handle is not None:
+            handle.remove()
+    return cache if residual_at is None else (cache, captured[0])
 
 
 def place_bottom_layers(cache, bottom: DynamicCache, layers: int) -> None:

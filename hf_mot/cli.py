@@ -221,10 +221,13 @@ def _fit_layers(args: argparse.Namespace) -> None:
         layers = [i for i, kind in enumerate(layout.layer_types) if kind == "full_attention"]
         if not layers:
             raise ValueError("The target has no layer types to find its full-attention layers by: pass --layers.")
+        if args.bottom_layers is not None:  # the target reads the layers up to that one itself
+            layers = [i for i in layers if i > args.bottom_layers]
     source_layers = args.source_layers or default_source_layers(translator.config.source_layout.num_layers)
     # Keys are normalised where the target normalises its own (Gemma 3, Qwen 3), never elsewhere.
     normalize = key_norm(target, layers[0]) is not None
-    translator = with_dedicated_layers(translator, layers, source_layers, key_norm=normalize)
+    translator = with_dedicated_layers(translator, layers, source_layers, key_norm=normalize,
+                                       bottom_layers=args.bottom_layers, target_config=target.config)
     report = fit_dedicated_layers(
         translator, source, source_tok, target, target_tok, pairs=args.pairs, validation_pairs=args.validation_pairs,
         context_words=tuple(args.context_words), ridge=args.ridge, epochs=args.epochs,
@@ -402,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "target reads a translated cache (default: none)")
     fit.add_argument("--adapter-learning-rate", type=float, default=1e-3,
                      help="the target LoRA's learning rate (default 1e-3)")
+    fit.add_argument("--bottom-layers", type=int, default=None, metavar="K",
+                     help="the maps read the target's own residual stream entering layer K in place of its token "
+                          "embeddings; the translator then works with translate_context(..., strategy='bottom'), "
+                          "the target reading its layers 0..K-1 itself, and recommends the recompute that costs "
+                          "(default: none; for Gemma 3, 5: its first full-attention layer)")
     fit.add_argument("--seed", type=int, default=0)
     fit.set_defaults(func=_fit_layers)
 

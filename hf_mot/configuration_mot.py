@@ -83,6 +83,12 @@ class MoTConfig(PretrainedConfig):
             layers per head, as a target with a key norm (Gemma 3, Qwen 3) does to its own keys before scaling
             them. A least-squares fit of keys shrinks them toward their mean, which flattens the target's
             attention; normalising undoes the shrinkage.
+        dedicated_bottom_layers (`int`, *optional*): the dedicated maps read the target's own residual stream
+            entering this layer (RMS-normalised) in place of its token embedding. The target computes it by reading
+            the context through its layers below (`translate_context(..., strategy="bottom")`, which then also
+            caches its own keys and values there and in this layer), so every dedicated layer must lie above it.
+            What the target's bottom layers gathered from the context is what its full-attention layers above
+            retrieve with; the embedding of a token alone does not carry it.
         target_adapter (`str`, *optional*): the subfolder of the translator's folder or repo that holds a PEFT LoRA
             adapter for the target's query projections in the dedicated layers, trained with their maps
             (`hf-mot fit-layers --target-lora-rank`). It is active only while the target reads a translated cache
@@ -122,6 +128,7 @@ class MoTConfig(PretrainedConfig):
     dedicated_layers: list[int] | None = None
     dedicated_source_layers: list[int] | None = None
     dedicated_key_norm: bool = False
+    dedicated_bottom_layers: int | None = None
     target_adapter: str | None = None
     recompute: float = 0.0
 
@@ -172,8 +179,9 @@ class MoTConfig(PretrainedConfig):
 
     def _check_dedicated_layers(self) -> None:
         if not self.dedicated_layers:
-            if self.dedicated_source_layers or self.dedicated_key_norm:
-                raise ValueError("`dedicated_source_layers` and `dedicated_key_norm` need `dedicated_layers`.")
+            if self.dedicated_source_layers or self.dedicated_key_norm or self.dedicated_bottom_layers is not None:
+                raise ValueError("`dedicated_source_layers`, `dedicated_key_norm` and `dedicated_bottom_layers` need "
+                                 "`dedicated_layers`.")
             return
         if self.architecture != "mixture":
             raise ValueError("`dedicated_layers` needs `architecture='mixture'`.")
@@ -186,6 +194,21 @@ class MoTConfig(PretrainedConfig):
                 raise ValueError(f"`{name}` must be layer indices in [0, {count}), got {layers!r}.")
             if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
                 raise ValueError(f"`{name}` must be increasing, without repeats, got {layers!r}.")
+        bottom = self.dedicated_bottom_layers
+        if bottom is None:
+            return
+        highest = self.target["num_layers"] - 2
+        if isinstance(bottom, bool) or not isinstance(bottom, int) or not 0 < bottom <= highest:
+            raise ValueError(f"`dedicated_bottom_layers` must be a layer index in [1, {highest}], got {bottom!r}.")
+        if self.target_embedding_size is None:
+            raise ValueError("`dedicated_bottom_layers` needs `target_embedding_size`: the residual stream the maps "
+                             "read has the width of the target's embeddings.")
+        below = [i for i in self.dedicated_layers if i <= bottom]
+        if below:
+            raise ValueError(
+                f"Dedicated layers {below} are not above `dedicated_bottom_layers={bottom}`: the target reads its "
+                f"layers 0-{bottom} itself there. Dedicate only layers above it."
+            )
 
     @property
     def source_layout(self) -> KVLayout:

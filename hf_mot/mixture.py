@@ -104,7 +104,9 @@ class DepthMatchedPath(nn.Module):
 
 class DedicatedLayerPath(nn.Module):
     """For a few chosen target layers, a linear map of their own from chosen source layers (aligned to target tokens)
-    and the target's embedding of each token, added to the mixture's output for those layers.
+    and the target's embedding of each token (or, with `reads_residual`, the target's own residual stream entering
+    one of its layers, RMS-normalised: `MoTConfig.dedicated_bottom_layers`), added to the mixture's output for
+    those layers.
 
     Retrieval over long contexts lives in a few layers (Gemma 3's full-attention layers), and the shared
     representation does not carry them well enough; a map per layer from many source layers can, and can be fitted
@@ -115,9 +117,10 @@ class DedicatedLayerPath(nn.Module):
 
     def __init__(
         self, target_layers: list[int], source_layers: list[int], source: KVLayout, target: KVLayout,
-        embedding_size: int | None,
+        embedding_size: int | None, reads_residual: bool = False,
     ):
         super().__init__()
+        self.reads_residual = reads_residual
         self.target_layers = list(target_layers)
         self.source_layers = list(source_layers)
         self.in_features = len(source_layers) * source.feature_size + (embedding_size or 0)
@@ -133,12 +136,17 @@ class DedicatedLayerPath(nn.Module):
         self, source: torch.Tensor, alignment: TokenAlignment, embeddings: torch.Tensor | None,
         last_tokens: int | None = None,
     ) -> torch.Tensor:
-        """What the maps read, per target token: `(batch, target_tokens, in_features)` (or the last `last_tokens`)."""
+        """What the maps read, per target token: `(batch, target_tokens, in_features)` (or the last `last_tokens`).
+        `embeddings` are the target's token embeddings, or its residual stream with `reads_residual`."""
         picked = source.index_select(2, layer_index(self.source_layers, source.device)).flatten(2)
         aligned = alignment.apply(picked, last_tokens)
         if embeddings is None:
             return aligned
-        return torch.cat([aligned, cast(embeddings[:, -aligned.shape[1]:], aligned.dtype)], dim=-1)
+        states = cast(embeddings[:, -aligned.shape[1]:], aligned.dtype)
+        if self.reads_residual:
+            # The residual stream's scale grows with depth and varies by token; the maps read its direction.
+            states = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return torch.cat([aligned, states], dim=-1)
 
     def forward(self, inputs: torch.Tensor, which: list[int]) -> torch.Tensor:
         """The contribution to `self.target_layers[i] for i in which`: `(batch, tokens, len(which), features)`."""
@@ -212,7 +220,8 @@ class KVMixture(nn.Module):
         self.dedicated = None
         if config.dedicated_layers:
             self.dedicated = DedicatedLayerPath(config.dedicated_layers, config.dedicated_source_layers, source,
-                                                target, config.target_embedding_size)
+                                                target, config.target_embedding_size,
+                                                reads_residual=config.dedicated_bottom_layers is not None)
         self.normalized_layers = set(config.dedicated_layers or ()) if keys and config.dedicated_key_norm else set()
         self.head_dim = target.head_dim
 
@@ -241,10 +250,13 @@ class KVMixture(nn.Module):
         alignment: TokenAlignment,
         target_embeddings: torch.Tensor | None = None,
         last_tokens: list[int | None] | None = None,
+        target_residual: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Translate `source` `(batch, source_tokens, source_layers, features)`; `target_embeddings`
         `(batch, target_tokens, target_embedding_size)` is needed when the mixture reads target tokens;
-        `last_tokens`, one entry per target layer, limits a layer to its last that many target tokens.
+        `last_tokens`, one entry per target layer, limits a layer to its last that many target tokens;
+        `target_residual` `(batch, target_tokens, target_embedding_size)` is what dedicated maps that read the
+        target's residual stream read.
 
         Returns `(indices, block)` pairs, one per group of target layers that need the same target tokens
         (all of them, or the last few), each block `(batch, tokens, len(indices), target_features)`; and the
@@ -280,7 +292,8 @@ class KVMixture(nn.Module):
                 matched = self.depth_matched.aligned_inputs(source, alignment, indices, last)
                 block = block + self.depth_matched(matched, indices)
             if self.dedicated is not None:
-                block = self._add_dedicated(block, indices, source, alignment, target_embeddings, last)
+                states = target_residual if self.dedicated.reads_residual else target_embeddings
+                block = self._add_dedicated(block, indices, source, alignment, states, last)
             blocks.append((indices, block))
         return blocks, self._load_balancing_loss(logits, chosen)
 

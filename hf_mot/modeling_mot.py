@@ -230,6 +230,7 @@ class MoTTranslator(PreTrainedModel):
         alignment: TokenAlignment,
         target_embeddings: torch.Tensor | None = None,
         last_tokens: list[int | None] | None = None,
+        target_residual: torch.Tensor | None = None,
     ) -> MoTOutput:
         """Translate position-free source keys and values.
 
@@ -248,6 +249,10 @@ class MoTTranslator(PreTrainedModel):
                 target tokens (`None`: all). A sliding-window layer of the target keeps only its last
                 `sliding_window - 1` context tokens, so `build_translated_cache` asks for those only: on long
                 contexts that skips most of the work.
+            target_residual (`torch.FloatTensor` of shape `(batch, target_tokens, target_embedding_size)`,
+                *optional*): the target's residual stream entering layer `config.dedicated_bottom_layers` (the
+                input of that decoder layer) at the target tokens. Required with that option;
+                `translate_context(..., strategy="bottom")` reads it.
         """
         target = self.target_layout
         if last_tokens is not None and len(last_tokens) != target.num_layers:
@@ -268,6 +273,19 @@ class MoTTranslator(PreTrainedModel):
             raise ValueError(
                 f"`target_embeddings` must be (batch, {alignment.num_target_tokens} target tokens, {expected}), got "
                 f"{tuple(target_embeddings.shape)}: embed the same target tokens the alignment was built for."
+            )
+
+        bottom = self.config.dedicated_bottom_layers
+        if bottom is not None and target_residual is None:
+            raise ValueError(
+                f"This translator's dedicated maps read the target's residual stream entering layer {bottom}: use "
+                f"`translate_context(..., strategy='bottom')` with a `recompute` that pays for layers 0-{bottom - 1}, "
+                f"or pass `target_residual`."
+            )
+        if bottom is not None and target_residual.shape != (*target_embeddings.shape[:2], expected):
+            raise ValueError(
+                f"`target_residual` must be (batch, {alignment.num_target_tokens} target tokens, {expected}), got "
+                f"{tuple(target_residual.shape)}: the input of the target's layer {bottom} at the aligned tokens."
             )
 
         def features(states):
@@ -293,8 +311,10 @@ class MoTTranslator(PreTrainedModel):
                 block_layers.append(indices)
             return MoTOutput(key_blocks=key_blocks, value_blocks=value_blocks, block_layers=block_layers,
                              aux_loss=key_blocks[0].new_zeros(()))
-        keys, key_balance = self.key_mixture(features(source_keys), alignment, target_embeddings, last_tokens)
-        values, value_balance = self.value_mixture(features(source_values), alignment, target_embeddings, last_tokens)
+        keys, key_balance = self.key_mixture(features(source_keys), alignment, target_embeddings, last_tokens,
+                                             target_residual)
+        values, value_balance = self.value_mixture(features(source_values), alignment, target_embeddings,
+                                                   last_tokens, target_residual)
         return MoTOutput(
             key_blocks=[heads(block) for _, block in keys],
             value_blocks=[heads(block) for _, block in values],

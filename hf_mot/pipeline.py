@@ -111,9 +111,11 @@ def run_translator(
     target_input_ids: torch.Tensor,
     target_attention_mask: torch.Tensor,
     last_tokens: list[int | None] | None = None,
+    target_residual: torch.Tensor | None = None,
 ) -> MoTOutput:
-    """Call `translator` on position-free source KV (with the target's token embeddings if it reads them); the
-    first context token of each row gets the target's own states (see `first_token_states`).
+    """Call `translator` on position-free source KV (with the target's token embeddings if it reads them, and
+    `target_residual` for dedicated maps that read the target's residual stream); the first context token of each
+    row gets the target's own states (see `first_token_states`).
 
     `translator` may be wrapped (DDP in training): its config is read from `.module` then. `last_tokens` (per
     produced layer) limits a layer to its last that many tokens (see `MoTTranslator.forward`).
@@ -126,7 +128,8 @@ def run_translator(
     # Looked up before the translator runs: reading the first tokens makes the CPU wait for the device, which
     # costs least while nothing is queued.
     first = first_token_states(target_model, target_input_ids, target_attention_mask)
-    out = translator(source.keys, source.values, alignment, target_embeddings=embeddings, last_tokens=last_tokens)
+    out = translator(source.keys, source.values, alignment, target_embeddings=embeddings, last_tokens=last_tokens,
+                     target_residual=target_residual)
     return place_first_token(out, *first)
 
 
@@ -209,18 +212,20 @@ def build_translated_cache(
     *,
     native_tail: int = 0,
     source_id: str = "",
+    target_residual: torch.Tensor | None = None,
 ) -> TranslatedCache:
     """Translate position-free source KV and place it in a `TranslatedCache` of the target, every target layer.
 
     `native_tail=k` keeps the translation of all but the last `k` context tokens and lets the target read
-    those `k` itself on top of it (see `translate_context`).
+    those `k` itself on top of it (see `translate_context`). `target_residual`: see `MoTTranslator.forward`.
     """
     _check_native_tail(native_tail, target.input_ids.shape[1])
     _check_devices(translator, source, target_model)
     target_layout = KVLayout.from_config(target_model.config)
     last_tokens = tokens_kept(target_layout, target.input_ids.shape[1], native_tail)
     translated = run_translator(
-        translator, source, alignment, target_model, target.input_ids, target.attention_mask, last_tokens
+        translator, source, alignment, target_model, target.input_ids, target.attention_mask, last_tokens,
+        target_residual,
     )
     if not native_tail:
         cache, _ = fill_translated_cache(translated, target_model, target, source_id=source_id)
@@ -374,7 +379,7 @@ def translate_context(
     source_cache: Cache | None = None,
     native_tail: int = 0,
     recompute: float | None = None,
-    strategy: str = "tail",
+    strategy: str | None = None,
 ) -> TranslatedCache:
     """Translate what the source model read into a cache the target model can continue from.
 
@@ -396,10 +401,12 @@ def translate_context(
             context). `None` takes the translator's recommended value (`translator.config.recompute`), or none
             when `native_tail` is given. How the budget is spent may improve between versions; the budget is the
             promise.
-        strategy (`str`, *optional*, defaults to `"tail"`): how `recompute` is spent. `"tail"`: the last tokens, as
+        strategy (`str`, *optional*): how `recompute` is spent. `"tail"` (the default): the last tokens, as
             above. `"bottom"`: the target reads the whole context through as many of its bottom layers as the
             budget pays for, which gives it its own keys and values there (and in the layer above them); the
-            translation fills the layers above (`hf_mot.bottom_layers`).
+            translation fills the layers above (`hf_mot.bottom_layers`). A translator whose dedicated maps read
+            the target's residual stream (`config.dedicated_bottom_layers`) works with `"bottom"` only, its default
+            for it, and needs a `recompute` that pays for the layers below that stream.
 
     Returns:
         [`TranslatedCache`]: pass it to `target_model.generate()` with only the new tokens as `input_ids`.
@@ -416,12 +423,19 @@ def translate_context(
     source_enc, target_enc = encode_pair(context, translator, source_model, source_tokenizer, target_model,
                                          target_tokenizer)
     share = _recompute_share(recompute, native_tail, translator)
-    if check_strategy(strategy) == "bottom" and native_tail:
+    conditioned = translator.config.dedicated_bottom_layers is not None
+    strategy = check_strategy(strategy if strategy is not None else "bottom" if conditioned else "tail")
+    if conditioned and strategy != "bottom" and share != 1.0:
+        raise ValueError(
+            "This translator's dedicated maps read the target's residual stream entering layer "
+            f"{translator.config.dedicated_bottom_layers}: it works with `strategy='bottom'` only."
+        )
+    if strategy == "bottom" and native_tail:
         raise ValueError("`strategy='bottom'` spends `recompute` on layers, not tokens: pass `recompute`, not "
                          "`native_tail`.")
     if share == 1.0:
         return read_context(target_model, target_enc, source_id=source_model.config.name_or_path)
-    if share and strategy == "bottom":
+    if strategy == "bottom" and (share or conditioned):
         return _translate_above_bottom(translator, source_model, source_tokenizer, target_model, target_tokenizer,
                                        source_enc, target_enc, source_cache, share)
     if share:
@@ -445,18 +459,28 @@ def _translate_above_bottom(translator, source_model, source_tokenizer, target_m
     """`translate_context`'s `strategy="bottom"`: the target's own bottom layers, the translation above them."""
     tokens = target_enc.input_ids.shape[1]
     layers = bottom_layers_within(target_model.config, share, tokens)
+    needed = translator.config.dedicated_bottom_layers
+    if needed is not None and (layers is None or layers < needed):
+        raise ValueError(
+            f"This translator's dedicated maps read the target's residual stream entering layer {needed}: reading "
+            f"layers 0-{needed - 1} costs {bottom_layer_share(target_model.config, needed, tokens):.3f} of a "
+            f"prefill on {tokens} tokens, more than `recompute={share:g}`. Raise `recompute` (`None` takes the "
+            "translator's recommended value)."
+        )
     if layers is None:
         raise ValueError(
             f"`recompute={share:g}` does not pay for the target's first layer on {tokens} tokens (it costs "
             f"{bottom_layer_share(target_model.config, 0, tokens):.3f} of a prefill): raise it, or use "
             "`strategy='tail'`."
         )
+    # The target's read comes first: a translator that reads its residual stream needs it.
+    bottom = read_bottom_layers(target_model, target_enc.input_ids, target_enc.attention_mask,
+                                target_enc.position_ids, layers, residual_at=needed)
+    bottom, residual = bottom if needed is not None else (bottom, None)
     source, alignment = read_source_and_align(source_model, source_tokenizer, target_tokenizer, source_enc,
                                               target_enc, source_cache)
     cache = build_translated_cache(translator, source, alignment, target_model, target_enc,
-                                   source_id=source_model.config.name_or_path)
-    bottom = read_bottom_layers(target_model, target_enc.input_ids, target_enc.attention_mask,
-                                target_enc.position_ids, layers)
+                                   source_id=source_model.config.name_or_path, target_residual=residual)
     place_bottom_layers(cache, bottom, layers)
     cache.native_layers = layers + 1
     return cache

@@ -110,6 +110,14 @@ def tiny_config(family: str):
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             max_position_embeddings=512, **common,
         )
+    if family == "gemma3-deep":
+        # A full-attention layer above another one, for dedicated maps that read the residual stream below it.
+        return Gemma3TextConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            max_position_embeddings=512, **common,
+        )
     if family == "smollm3":
         # SmolLM3's NoPE layers: `no_rope_layers[i]` is 0 where layer i caches unrotated keys (here the first).
         return SmolLM3Config(
@@ -130,6 +138,7 @@ MODEL_CLASSES = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "gemma3-deep": Gemma3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "opt": OPTForCausalLM,

@@ -3,13 +3,15 @@ translation fills the layers above."""
 
 import pytest
 import torch
-from conftest import CONTEXTS, char_tokenizer, identity_translator, native_and_translated, tiny_model
-from test_recompute import PROMPT, _pair, _translate
+from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, identity_translator, native_and_translated, tiny_model
+from test_recompute import PROMPT, _pair, _same_cache, _translate
 from transformers import DynamicCache
 
+from hf_mot import MoTConfig, MoTTranslator
 from hf_mot.alignment import encode_contexts
 from hf_mot.bottom_layers import bottom_layer_share, bottom_layers_within, read_bottom_layers
-from hf_mot.pipeline import read_into_cache
+from hf_mot.pipeline import build_translated_cache, encode_pair, read_into_cache, read_source_and_align
+from hf_mot.training.layer_fit import with_dedicated_layers
 
 
 def test_bottom_read_is_the_targets_own_cache():
@@ -67,3 +69,91 @@ def test_gemma3_cost_model(gemma3):
     assert 0.2 < shares[5] < 0.35
     assert bottom_layers_within(config, shares[5], 2048) == 5
     assert bottom_layers_within(config, shares[5] - 1e-6, 2048) == 4
+
+
+def _conditioned():
+    """A translator (far from the identity) whose dedicated map for layer 3 reads the residual stream entering
+    layer 2 of a tiny Gemma 3 with full-attention layers 1 and 3."""
+    source, target = tiny_model("llama", seed=3), tiny_model("gemma3-deep", seed=4)
+    torch.manual_seed(5)
+    plain = MoTTranslator(MoTConfig.from_models(source.config, target.config, hidden_size=16)).eval()
+    translator = with_dedicated_layers(plain, [3], [0, 1], key_norm=True, bottom_layers=2,
+                                       target_config=target.config)
+    with torch.no_grad():
+        for param in translator.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return source, target, translator
+
+
+def test_dedicated_maps_read_the_targets_residual_stream():
+    source, target, translator = _conditioned()
+    contexts = CONTEXTS[:2]  # a left-padded batch
+    tokens = encode_contexts(char_tokenizer(), contexts).input_ids.shape[1]
+    assert bottom_layer_share(target.config, 2, tokens) <= translator.config.recompute < 1
+    cache = _translate(contexts, translator, source, target)  # the recommended recompute, strategy "bottom"
+    native = _translate(contexts, translator, source, target, recompute=1)
+    assert cache.native_layers == 3
+    for index in range(3):
+        assert torch.equal(cache.layers[index].keys, native.layers[index].keys)
+
+    source_enc, target_enc = encode_pair(contexts, translator, source, bpe_tokenizer(), target, char_tokenizer())
+    kv, alignment = read_source_and_align(source, bpe_tokenizer(), char_tokenizer(), source_enc, target_enc)
+    with torch.no_grad():
+        states = target.model(input_ids=target_enc.input_ids, attention_mask=target_enc.attention_mask,
+                              position_ids=target_enc.position_ids, output_hidden_states=True).hidden_states
+
+    def layer_3(residual):
+        built = build_translated_cache(translator, kv, alignment, target, target_enc, target_residual=residual)
+        return built.layers[3]
+
+    expected = layer_3(states[2])  # the input of layer 2
+    torch.testing.assert_close(cache.layers[3].keys, expected.keys)
+    torch.testing.assert_close(cache.layers[3].values, expected.values)
+    assert not torch.allclose(cache.layers[3].keys, layer_3(states[1]).keys)
+
+
+def test_a_conditioned_translator_saves_and_loads(tmp_path):
+    source, target, translator = _conditioned()
+    translator.save_pretrained(tmp_path)
+    loaded = MoTTranslator.from_pretrained(tmp_path).eval()
+    assert loaded.config.dedicated_bottom_layers == 2 and loaded.config.recompute == translator.config.recompute
+    _same_cache(_translate(CONTEXTS[0], loaded, source, target), _translate(CONTEXTS[0], translator, source, target))
+
+
+def test_a_conditioned_translator_refuses_what_cannot_feed_it():
+    source, target, translator = _conditioned()
+    with pytest.raises(ValueError, match="Raise `recompute`"):
+        _translate(CONTEXTS[0], translator, source, target, recompute=0)
+    with pytest.raises(ValueError, match="Raise `recompute`"):
+        _translate(CONTEXTS[0], translator, source, target, recompute=0.1)
+    with pytest.raises(ValueError, match="`strategy='bottom'` only"):
+        _translate(CONTEXTS[0], translator, source, target, recompute=0.5, strategy="tail")
+    with pytest.raises(ValueError, match="not `native_tail`"):
+        _translate(CONTEXTS[0], translator, source, target, native_tail=3)
+    source_enc, target_enc = encode_pair(CONTEXTS[0], translator, source, bpe_tokenizer(), target, char_tokenizer())
+    kv, alignment = read_source_and_align(source, bpe_tokenizer(), char_tokenizer(), source_enc, target_enc)
+    with pytest.raises(ValueError, match="read the target's residual stream entering layer 2"):
+        build_translated_cache(translator, kv, alignment, target, target_enc)
+    with pytest.raises(ValueError, match="`target_residual` must be"):
+        build_translated_cache(translator, kv, alignment, target, target_enc,
+                               target_residual=torch.zeros(1, 3, target.config.hidden_size))
+
+    def config(**options):
+        return MoTConfig.from_models(source.config, target.config, dedicated_source_layers=[0], **options)
+
+    with pytest.raises(ValueError, match="not above"):
+        config(dedicated_layers=[1, 3], dedicated_bottom_layers=2)
+    with pytest.raises(ValueError, match=r"layer index in \[1, 2\]"):
+        config(dedicated_layers=[3], dedicated_bottom_layers=3)
+    with pytest.raises(ValueError, match="needs `target_embedding_size`"):
+        config(dedicated_layers=[3], dedicated_bottom_layers=2, target_tokens=False)
+
+
+def test_vllm_store_refuses_a_conditioned_translator(tmp_path):
+    from hf_mot.integrations.vllm_store import write_store_entries
+
+    source, target, translator = _conditioned()
+    with pytest.raises(ValueError, match="residual stream"):
+        write_store_entries(tmp_path, CONTEXTS[0], translator=translator, source_model=source,
+                            source_tokenizer=bpe_tokenizer(), target_model=target, target_tokenizer=char_tokenizer())
+    assert not any(tmp_path.iterdir())

@@ -109,8 +109,9 @@ def test_record_reads_the_targets_own_attention(family, layer, source_layers):
         attention.q_proj.weight.mul_(20)
         attention.k_proj.weight.mul_(20)
 
-    def keep(module, args, out):  # the last call is the pass over context and suffix
-        seen["in"] = args[0]
+    def keep(module, args, out):  # the longest call is the pass over context and suffix
+        if "in" not in seen or args[0].shape[1] > seen["in"].shape[1]:
+            seen["in"] = args[0]
 
     handle = attention.o_proj.register_forward_hook(keep)
     try:
@@ -164,3 +165,29 @@ def test_fit_lowers_the_attention_error():
     assert loss("distilled") < 0.9 * loss("without")
     assert loss("distilled") <= min(epoch["loss"] for epoch in report["epochs"]) + 1e-6
     assert torch.count_nonzero(translator.key_mixture.dedicated.weight) > 0
+
+
+def test_fit_of_maps_that_read_the_residual_stream():
+    """With `bottom_layers`, the record's map inputs end with the target's residual stream entering that layer
+    (RMS-normalised), not its token embeddings; the fit lowers the error of the layer above."""
+    from hf_mot.alignment import encode_contexts
+
+    char, bpe = char_tokenizer(), bpe_tokenizer()
+    source, target = tiny_model("llama"), tiny_model("gemma3-deep", seed=1)
+    torch.manual_seed(0)
+    config = MoTConfig.from_models(source.config, target.config, source_tokenizer=char, target_tokenizer=bpe,
+                                   hidden_size=16, expert_hidden_size=16)
+    translator = with_dedicated_layers(MoTTranslator(config).eval(), [3], [0, 1], key_norm=True, bottom_layers=2,
+                                       target_config=target.config)
+    record = record_pair(translator, source, char, target, bpe, CONTEXTS[1], "\n\nQuestion: who?\nAnswer: the cat")
+    ids = encode_contexts(bpe, [CONTEXTS[1]]).input_ids
+    with torch.no_grad():
+        residual = target.model(input_ids=ids, output_hidden_states=True).hidden_states[2][0]
+    normed = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6)
+    width = target.config.hidden_size
+    torch.testing.assert_close(record.key_inputs[:, -width:].float(), normed, atol=5e-3, rtol=5e-3)  # float16
+
+    report = fit_dedicated_layers(translator, source, char, target, bpe, pairs=12, validation_pairs=4,
+                                  context_words=(20, 40), epochs=3, learning_rate=1e-3, progress=False)
+    loss = {stage: report[stage]["kl"][0] + report[stage]["output_error"][0] for stage in ("without", "distilled")}
+    assert loss["distilled"] < 0.9 * loss["without"]

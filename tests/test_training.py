@@ -15,10 +15,12 @@ import pytest
 import torch
 from conftest import CONTEXTS, bpe_tokenizer, char_tokenizer, tiny_model
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from hf_mot import MoTConfig, MoTTranslator
 from hf_mot.training import LossWeights, MoTDataCollator, MoTTrainer, MoTTrainingArguments, context_correction_loss
 from hf_mot.training.data import ContextContinuationDataset, cut_chunks, document_split
+from hf_mot.training.layer_fit import with_dedicated_layers
 from hf_mot.training.widen import widen_translator
 
 
@@ -353,6 +355,15 @@ def test_init_from_widens_a_mixture_only_and_interpolates_back(tiny_dirs, tmp_pa
     narrowed = _run(script + args + ["--init-from", str(tmp_path / "narrow"), "--no-resume"])
     assert narrowed.returncode == 2 and "widened, not narrowed" in narrowed.stderr
     assert MoTTranslator.from_pretrained(tmp_path / "wide").config.hidden_size == 24  # nothing was written
+    # Maps that read the target's residual stream are fitted by fit-layers; this trainer does not compute it.
+    conditioned = with_dedicated_layers(MoTTranslator.from_pretrained(tmp_path / "narrow"), [2], [0],
+                                        key_norm=False, bottom_layers=1,
+                                        target_config=AutoConfig.from_pretrained(tiny_dirs / "tgt"))
+    conditioned.save_pretrained(tmp_path / "conditioned")
+    refused = _run(script + _script_args(tiny_dirs, tmp_path / "from_conditioned", 1)
+                   + ["--init-from", str(tmp_path / "conditioned")])
+    assert refused.returncode == 2 and "fit-layers --bottom-layers" in refused.stderr
+    assert not (tmp_path / "from_conditioned" / "model.safetensors").exists()
     per_layer = _run(script + _script_args(tiny_dirs, tmp_path / "per_layer", 1, save_steps=1)
                      + ["--architecture", "per_layer"])
     assert per_layer.returncode == 0, per_layer.stderr[-3000:]

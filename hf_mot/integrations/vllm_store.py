@@ -273,6 +273,12 @@ def write_store_entries(
             f"{translator.config.target_adapter}/), which the vLLM connector does not apply yet. Serve it with "
             "transformers (`translator.adapt_target`), or use a translator without one."
         )
+    if translator.config.dedicated_bottom_layers is not None:
+        raise ValueError(
+            "This translator's dedicated maps read the target's residual stream, which the target computes by "
+            "reading its bottom layers (`strategy='bottom'`); the vLLM connector does not do that yet. Serve it "
+            "with transformers (`translate_context`), or use a translator without `dedicated_bottom_layers`."
+        )
     contexts = [context] if isinstance(context, str) else context
     if source_cache is not None and len(contexts) != 1:
         raise ValueError(f"`source_cache` is the cache of one context, but {len(contexts)} contexts were given.")

@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..alignment import encode_contexts
-from ..kv import _attention, apply_rope, cast, finish_target_keys, read_source_cache
+from ..bottom_layers import bottom_layer_share
+from ..kv import _attention, apply_rope, cast, decoder_layers, finish_target_keys, read_source_cache
 from ..mixture import rms_normalize
 from ..modeling_mot import MoTTranslator
 from ..pipeline import read_into_cache, read_source_and_align, run_translator
@@ -140,6 +141,24 @@ def _capture_query_inputs(model: PreTrainedModel, layers: list[int]):
             handle.remove()
 
 
+@contextlib.contextmanager
+def _capture_residual(model: PreTrainedModel, layer: int | None):
+    """Record the residual stream entering decoder layer `layer` (nothing when `None`): a list, filled by the read."""
+    captured: list[torch.Tensor] = []
+    if layer is None:
+        yield captured
+        return
+
+    def hook(module, args, kwargs):
+        captured.append(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+
+    handle = decoder_layers(model)[layer].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
 def _layer_features(out, layers: list[int], values: bool) -> torch.Tensor:
     """The translator's output for `layers` of one context, `(L, tokens, features)`."""
     found = {}
@@ -166,24 +185,27 @@ def record_pair(
     target_enc = encode_contexts(target_tokenizer, [context], target_model.device)
     source, alignment = read_source_and_align(source_model, source_tokenizer, target_tokenizer, source_enc,
                                               target_enc)
-    with dedicated_maps_off(translator):
-        out = run_translator(translator, source, alignment, target_model, target_enc.input_ids,
-                             target_enc.attention_mask)
-    embeddings = None
-    if translator.config.target_embedding_size is not None:
-        embeddings = target_model.get_input_embeddings()(target_enc.input_ids)
-    inputs = [
-        mixture.dedicated.inputs(cast(states.flatten(-2), translator.dtype), alignment, embeddings)[0]
-        for mixture, states in ((translator.key_mixture, source.keys), (translator.value_mixture, source.values))
-    ]
     suffix_ids = target_tokenizer(suffix, add_special_tokens=False, return_tensors="pt").input_ids
     if suffix_ids.shape[1] == 0:
         raise ValueError(f"The suffix {suffix!r} has no tokens: the fit needs query positions after the context.")
     ids = torch.cat([target_enc.input_ids, suffix_ids.to(target_enc.input_ids.device)], dim=1)
     tokens = target_enc.input_ids.shape[1]
     cache = DynamicCache()  # no config: every layer keeps every token
-    with _capture_query_inputs(target_model, layers) as captured:
+    bottom = translator.config.dedicated_bottom_layers
+    with _capture_query_inputs(target_model, layers) as captured, _capture_residual(target_model, bottom) as residual:
         read_into_cache(target_model, cache, ids, torch.ones_like(ids))
+    # Causal: the context's residual stream is the same with or without the suffix after it.
+    residual = residual[0][:, :tokens] if bottom is not None else None
+    with dedicated_maps_off(translator):
+        out = run_translator(translator, source, alignment, target_model, target_enc.input_ids,
+                             target_enc.attention_mask, target_residual=residual)
+    states = residual
+    if bottom is None and translator.config.target_embedding_size is not None:
+        states = target_model.get_input_embeddings()(target_enc.input_ids)
+    inputs = [
+        mixture.dedicated.inputs(cast(kv.flatten(-2), translator.dtype), alignment, states)[0]
+        for mixture, kv in ((translator.key_mixture, source.keys), (translator.value_mixture, source.values))
+    ]
     suffix_inputs = [tuple(t[0, tokens:] for t in captured[i]) for i in layers]  # (hidden, cos, sin), (S, features)
     native = read_source_cache(cache, target_model, torch.ones_like(ids))
     every = torch.tensor(layers, device=ids.device)
@@ -382,10 +404,15 @@ def default_source_layers(num_layers: int, count: int = 10) -> list[int]:
 
 
 def with_dedicated_layers(
-    translator: MoTTranslator, layers: list[int], source_layers: list[int], key_norm: bool
+    translator: MoTTranslator, layers: list[int], source_layers: list[int], key_norm: bool,
+    bottom_layers: int | None = None, target_config=None,
 ) -> MoTTranslator:
     """A copy of `translator` with (zero) dedicated maps for `layers`, reading `source_layers`: it translates exactly
-    as `translator` does until they are fitted (apart from key normalisation, with `key_norm`)."""
+    as `translator` does until they are fitted (apart from key normalisation, with `key_norm`).
+
+    With `bottom_layers`, the maps read the target's residual stream entering that layer in place of its token
+    embeddings (`MoTConfig.dedicated_bottom_layers`), and the copy's recommended `recompute` becomes what reading the
+    layers below costs (`target_config`, the target model's config, prices it)."""
     if translator.config.architecture != "mixture":
         raise ValueError("Dedicated layers need a mixture translator (`architecture='mixture'`).")
     if translator.config.dedicated_layers:
@@ -396,7 +423,14 @@ def with_dedicated_layers(
     config = copy.deepcopy(translator.config)
     config.dedicated_layers, config.dedicated_source_layers = list(layers), list(source_layers)
     config.dedicated_key_norm = key_norm
+    config.dedicated_bottom_layers = bottom_layers
     config._check_dedicated_layers()
+    if bottom_layers is not None:
+        if target_config is None:
+            raise ValueError("`bottom_layers` needs `target_config` to price reading the layers below it.")
+        # The share falls with context length (the full-attention layers above grow): short contexts bound it.
+        share = max(bottom_layer_share(target_config, bottom_layers, tokens) for tokens in (1, 512))
+        config.recompute = min(math.ceil(100 * share) / 100, 0.99)
     widened = MoTTranslator(config).to(device=translator.device, dtype=translator.dtype)
     missing, unexpected = widened.load_state_dict(translator.state_dict(), strict=False)
     if unexpected or any(".dedicated." not in name for name in missing):

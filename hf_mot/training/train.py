@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     if args.init_from:
         translator = MoTTranslator.from_pretrained(args.init_from)
         config, added = translator.config, {}
+        if config.dedicated_bottom_layers is not None:
+            parser.error(f"{args.init_from}'s dedicated maps read the target's residual stream, which this trainer "
+                         "does not compute: continue from the translator they were fitted on (its model card names "
+                         "it), then `hf-mot fit-layers --bottom-layers` again.")
         if config.architecture == "mixture":
             if args.target_tokens and config.target_embedding_size is None:
                 added["target_embedding_size"] = target.config.get_text_config(decoder=True).hidden_size
