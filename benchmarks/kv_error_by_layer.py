@@ -56,7 +56,7 @@ def main() -> None:
             for name, translator in translators.items():
                 translated = translate_context(
                     example.context, translator=translator, source_model=source, source_tokenizer=source_tok,
-                    target_model=target, target_tokenizer=target_tok,
+                    target_model=target, target_tokenizer=target_tok, recompute=0.0,
                 )
                 for i in range(layers):
                     pairs = ((translated.layers[i].keys, native.layers[i].keys),

@@ -72,7 +72,7 @@ def main() -> None:
             target(input_ids=context_ids, use_cache=True, **{cache_kwarg(target): native})
             translated = translate_context(
                 example.context, translator=translator, source_model=source, source_tokenizer=source_tok,
-                target_model=target, target_tokenizer=target_tok,
+                target_model=target, target_tokenizer=target_tok, recompute=0.0,
             )
             for name, (layers, keys, values) in conditions.items():
                 cache = copy.deepcopy(translated)

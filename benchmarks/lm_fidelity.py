@@ -93,7 +93,7 @@ def main() -> None:
                      f"({REPORTED_PER_LENGTH} test pairs at each of {REPORTED_LENGTHS} tokens); lower --per-length "
                      "or leave out the longest --lengths.")
     # `full`: every layer translated. `window`: the window-injection diagnostic (`hf_mot.evaluation.injection`).
-    modes = {"full": {}}
+    modes = {"full": {"recompute": 0.0}}
     if not args.no_window:
         modes["window"] = {"window": tuple(args.window)}
     if args.native_tail:

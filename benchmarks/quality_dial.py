@@ -19,7 +19,8 @@ greedy and not timed.
 
 `--compare NAME=PATH` adds other translators at pure translation (r = 0), side by side on the same contexts (the
 source cache and the native answers are shared); one whose dedicated maps read the target's residual stream
-(`hf-mot fit-layers --bottom-layers`) is measured at each `--bottom` r instead, as `NAME bottom r`.
+(`hf-mot fit-layers --bottom-layers`) is measured instead at each `--bottom` r that pays for the layers it reads
+(its recommended `recompute` or more), as `NAME bottom r`.
 
 Tasks: `synthetic` (extractive QA over made-up people, one question per document), `needle` (a made-up fact at
 10/50/90% depth of a Wikipedia article cut to each `--needle-lengths`), `quac` (first questions of QuAC
@@ -194,7 +195,8 @@ def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (), bo
 
 
 def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ...] = (),
-         bottom: tuple[float, ...] = ()) -> Path | None:
+         bottom: tuple[float, ...] = (), recommended: float | None = None) -> Path | None:
+    """One panel per task; `recommended`, the translator's recommended `recompute`, is ringed where measured."""
     plt = pyplot()
     if plt is None:
         return None
@@ -230,6 +232,10 @@ def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ..
             ax.errorbar([e["speedup"]], [100 * e["retention"]], fmt="D", capsize=2, label=name,
                         yerr=[[100 * (e["retention"] - e["retention_interval"][0])],
                               [100 * (e["retention_interval"][1] - e["retention"])]])
+        point = s.get(f"recompute={recommended:g}") if recommended is not None else None
+        if point is not None and point.get("speedup") == point.get("speedup"):
+            ax.plot([point["speedup"]], [100 * point["retention"]], "o", markersize=14, markerfacecolor="none",
+                    markeredgecolor="black", label=f"recommended (recompute={recommended:g})")
         ax.plot([1.0], [100.0], "k*", markersize=10, label="native (re-read)")
         ax.axhline(100 * s["no_context"]["retention"], color="grey", linewidth=0.8, linestyle=":", label="no context")
         ax.set_xscale("log")
@@ -259,8 +265,9 @@ def main() -> None:
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--reuse-documents", type=int, default=4, help="documents of 8 questions each")
     parser.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
-                        help="another translator, measured at r = 0 beside the dial, or at each --bottom R if its "
-                             "dedicated maps read the target's residual stream (repeatable)")
+                        help="another translator, measured at r = 0 beside the dial, or at each --bottom R at or "
+                             "above its recommended recompute if its dedicated maps read the target's residual "
+                             "stream (repeatable)")
     parser.add_argument("--bottom", type=float, nargs="*", default=[],
                         help="budgets r in (0, 1) also spent on the target reading its bottom layers "
                              "(strategy='bottom'), beside the tail (default: none)")
@@ -286,11 +293,14 @@ def main() -> None:
         other = MoTTranslator.from_pretrained(path).eval()
         if other.config.dedicated_bottom_layers is None:
             compare[name] = (other, 0.0, "tail")
-        elif not bottom:
-            parser.error(f"{path} reads the target's residual stream: it is measured at each --bottom R, and none "
-                         "was given.")
         else:
-            compare.update({f"{name} bottom {r:g}": (other, r, "bottom") for r in bottom})
+            # Below its recommended recompute the budget does not pay for the layers its maps read from.
+            paid = [r for r in bottom if r >= other.config.recompute]
+            if not paid:
+                parser.error(f"{path} reads the target's residual stream entering layer "
+                             f"{other.config.dedicated_bottom_layers}, which costs recompute={other.config.recompute}"
+                             f": it is measured at each --bottom R at least that, and none was given.")
+            compare.update({f"{name} bottom {r:g}": (other, r, "bottom") for r in paid})
     names = tuple(compare)
     items = _items(args, target_tok)
     # Once untimed first: the first calls pay one-off costs (kernel selection, allocations, the first-token cache).
@@ -315,7 +325,7 @@ def main() -> None:
     print(final["table"])
     write_json_atomically(args.output, final)
     summary = final["summary"]
-    figure = plot(summary, args.budgets, args.output.with_suffix(".png"), names, bottom)
+    figure = plot(summary, args.budgets, args.output.with_suffix(".png"), names, bottom, translator.config.recompute)
     print(f"wrote {args.output}" + (f" and {figure}" if figure else ""))
 
 

@@ -69,7 +69,7 @@ def multi_agent_reuse(
                     cache = translate_context(
                         document, translator=translator, source_model=source_model,
                         source_tokenizer=source_tokenizer, target_model=target_model,
-                        target_tokenizer=target_tokenizer, source_cache=source_cache,
+                        target_tokenizer=target_tokenizer, source_cache=source_cache, recompute=0.0,
                     )
                     mask = cache.attention_mask
                 elif way == "reread":
