@@ -35,6 +35,8 @@ CONTEXT = " ".join(
 def written(tmp_path_factory, smollm2, gemma3):
     (source, source_tok), (target, target_tok) = smollm2, gemma3
     translator = MoTTranslator.from_pretrained(REPO_ID).eval()
+    # Entries for pure translation: with a recommended recompute of 0, the sliding layers keep their window only.
+    translator.config.recompute = 0.0
     store = tmp_path_factory.mktemp("store")
     models = dict(translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
                   target_tokenizer=target_tok)
@@ -56,8 +58,8 @@ def test_entry_holds_what_translate_context_caches(written):
         assert keys.shape == values.shape == (kept, 1, 256) and header.first_positions[index] == tokens - kept
         torch.testing.assert_close(keys, layer.keys[0].transpose(0, 1))
         torch.testing.assert_close(values, layer.values[0].transpose(0, 1))
-    # Served at recompute 0 (the shipped translator's recommended value, the default bound) it serves; a
-    # recomputed tail would attend to sliding-window states the entry does not hold.
+    # Served at recompute 0 (the translator's recommended value here, the default bound) it serves; a recomputed
+    # tail would attend to sliding-window states the entry does not hold.
     assert header.refusal(tokens) is None
     assert "larger max_recompute" in header.refusal(tokens - 1)
 
@@ -74,6 +76,12 @@ def test_an_entry_for_recomputing_holds_what_the_tail_attends_to(smollm2, gemma3
     tail = int(0.25 * tokens)
     assert header.first_positions == tuple(0 if i in (5, 11, 17) else tokens - 511 - tail for i in range(18))
     assert header.refusal(tokens - tail) is None and header.refusal(tokens - tail - 1) is not None
+    # The shipped translator recommends a tail: an entry that could not serve it is refused.
+    assert translator.config.recompute > 0.1
+    with pytest.raises(ValueError, match="below the translator's recommended recompute"):
+        write_store_entries(tmp_path, CONTEXT, translator=translator, source_model=source,
+                            source_tokenizer=source_tok, target_model=target, target_tokenizer=target_tok,
+                            max_recompute=0.1)
     with pytest.raises(ValueError, match="must be in"):
         write_store_entries(tmp_path, CONTEXT, translator=translator, source_model=source,
                             source_tokenizer=source_tok, target_model=target, target_tokenizer=target_tok,
