@@ -34,6 +34,10 @@ STEPS = 16
 TAIL = 0.25
 
 
+def shipped_recommended():
+    return MoTTranslator.from_pretrained(REPO_ID).config.recompute
+
+
 def _rewrite(path, folder, change):
     """A copy of entry `path` in namespace folder `folder` (same file name), its tensors and metadata changed."""
     folder.mkdir(parents=True)
@@ -94,13 +98,16 @@ def served(tmp_path_factory, smollm2, gemma3):
                     "kv_transfer_params": {"hf_mot_recompute": 0}},
         "shipped_tail": {"prompt_token_ids": prompt, "cache_salt": entry.parent.name,
                          "kv_transfer_params": {"hf_mot_recompute": TAIL}},
+        "shipped_default": {"prompt_token_ids": prompt, "cache_salt": entry.parent.name},
         "beyond_max_recompute": {"prompt_token_ids": prompt, "cache_salt": entry.parent.name,
                                  "kv_transfer_params": {"hf_mot_recompute": 0.5}},
         "short_prompt": {"prompt_token_ids": context_ids[:200] + question_ids, "cache_salt": entry.parent.name,
                          "kv_transfer_params": {"hf_mot_entry": str(entry)}},
         "no_salt": {"prompt_token_ids": prompt, "kv_transfer_params": {"hf_mot_entry": str(entry)}},
         "no_entry": {"prompt_token_ids": context_ids[:200] + question_ids, "cache_salt": entry.parent.name},
-        **{name: {"prompt_token_ids": prompt, "cache_salt": salt} for name, salt in salts.items()},
+        # Pure translation, so that every position vLLM reads comes from the damaged entry.
+        **{name: {"prompt_token_ids": prompt, "cache_salt": salt, "kv_transfer_params": {"hf_mot_recompute": 0}}
+           for name, salt in salts.items()},
     }
     result = run_in_vllm(convert_embedded_model("gemma3-270m"), str(store), list(cases.values()), max_tokens=STEPS)
     outputs = dict(zip(cases, result["outputs"], strict=True))
@@ -125,6 +132,10 @@ def test_translated_cache_gives_generates_text(served):
     # The dial: vLLM prefills the last quarter of the context itself, attending to the translated head.
     assert outputs["shipped_tail"]["num_cached_tokens"] == [tokens - int(TAIL * tokens)]
     assert outputs["shipped_tail"]["token_ids"] == expected["shipped_tail"]
+    # A request that names no recompute gets the translator's recommended tail, recorded in the entry.
+    recommended = shipped_recommended()
+    assert 0 < recommended <= TAIL
+    assert outputs["shipped_default"]["num_cached_tokens"] == [tokens - int(recommended * tokens)]
     # Gemma 3's sliding-window layers run on vLLM's hybrid KV cache manager: only their window is written.
     kept = [int(line.split("(at least ")[1].split()[0]) for line in log if f"loaded {tokens} translated" in line]
     assert kept and all(511 <= k < tokens for k in kept), log
