@@ -226,16 +226,13 @@ def _fit_layers(args: argparse.Namespace) -> None:
     source_layers = args.source_layers or default_source_layers(translator.config.source_layout.num_layers)
     # Keys are normalised where the target normalises its own (Gemma 3, Qwen 3), never elsewhere.
     normalize = key_norm(target, layers[0]) is not None
-    if args.mlp_size is not None and args.bottom_layers is None:
-        raise ValueError("--mlp-size needs --bottom-layers: the MLPs read the target's residual stream.")
     translator = with_dedicated_layers(translator, layers, source_layers, key_norm=normalize,
-                                       bottom_layers=args.bottom_layers, target_config=target.config,
-                                       mlp_size=args.mlp_size)
+                                       bottom_layers=args.bottom_layers, target_config=target.config)
     report = fit_dedicated_layers(
         translator, source, source_tok, target, target_tok, pairs=args.pairs, validation_pairs=args.validation_pairs,
         context_words=tuple(args.context_words), ridge=args.ridge, epochs=args.epochs,
         learning_rate=args.learning_rate, target_lora_rank=args.target_lora_rank,
-        adapter_learning_rate=args.adapter_learning_rate, mlp_learning_rate=args.mlp_learning_rate, seed=args.seed,
+        adapter_learning_rate=args.adapter_learning_rate, seed=args.seed,
     )
     report["command"] = "hf-mot " + " ".join(sys.argv[1:])
     report["started_from"] = translator_name
@@ -413,11 +410,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "embeddings; the translator then works with translate_context(..., strategy='bottom'), "
                           "the target reading its layers 0..K-1 itself, and recommends the recompute that costs "
                           "(default: none; for Gemma 3, 5: its first full-attention layer)")
-    fit.add_argument("--mlp-size", type=int, default=None,
-                     help="with --bottom-layers, each map also gets an MLP of this width on the residual stream, "
-                          "beside its linear map (default: none)")
-    fit.add_argument("--mlp-learning-rate", type=float, default=1e-3,
-                     help="the MLPs' distillation learning rate (default 1e-3)")
     fit.add_argument("--seed", type=int, default=0)
     fit.set_defaults(func=_fit_layers)
 

@@ -89,9 +89,6 @@ class MoTConfig(PretrainedConfig):
             caches its own keys and values there and in this layer), so every dedicated layer must lie above it.
             What the target's bottom layers gathered from the context is what its full-attention layers above
             retrieve with; the embedding of a token alone does not carry it.
-        dedicated_mlp_size (`int`, *optional*): with `dedicated_bottom_layers`, each dedicated map also gets an MLP
-            of this width on the residual stream it reads, beside its linear map (`hf-mot fit-layers --mlp-size`):
-            the target layers between that residual and a dedicated layer do not compute a linear function of it.
         target_adapter (`str`, *optional*): the subfolder of the translator's folder or repo that holds a PEFT LoRA
             adapter for the target's query projections in the dedicated layers, trained with their maps
             (`hf-mot fit-layers --target-lora-rank`). It is active only while the target reads a translated cache
@@ -132,7 +129,6 @@ class MoTConfig(PretrainedConfig):
     dedicated_source_layers: list[int] | None = None
     dedicated_key_norm: bool = False
     dedicated_bottom_layers: int | None = None
-    dedicated_mlp_size: int | None = None
     target_adapter: str | None = None
     recompute: float = 0.0
 
@@ -183,10 +179,9 @@ class MoTConfig(PretrainedConfig):
 
     def _check_dedicated_layers(self) -> None:
         if not self.dedicated_layers:
-            if (self.dedicated_source_layers or self.dedicated_key_norm or self.dedicated_bottom_layers is not None
-                    or self.dedicated_mlp_size is not None):
-                raise ValueError("`dedicated_source_layers`, `dedicated_key_norm`, `dedicated_bottom_layers` and "
-                                 "`dedicated_mlp_size` need `dedicated_layers`.")
+            if self.dedicated_source_layers or self.dedicated_key_norm or self.dedicated_bottom_layers is not None:
+                raise ValueError("`dedicated_source_layers`, `dedicated_key_norm` and `dedicated_bottom_layers` need "
+                                 "`dedicated_layers`.")
             return
         if self.architecture != "mixture":
             raise ValueError("`dedicated_layers` needs `architecture='mixture'`.")
@@ -200,13 +195,6 @@ class MoTConfig(PretrainedConfig):
             if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
                 raise ValueError(f"`{name}` must be increasing, without repeats, got {layers!r}.")
         bottom = self.dedicated_bottom_layers
-        if self.dedicated_mlp_size is not None:
-            size = self.dedicated_mlp_size
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"`dedicated_mlp_size` must be a whole number >= 1, got {size!r}.")
-            if bottom is None:
-                raise ValueError("`dedicated_mlp_size` needs `dedicated_bottom_layers`: the MLP reads the target's "
-                                 "residual stream.")
         if bottom is None:
             return
         highest = self.target["num_layers"] - 2

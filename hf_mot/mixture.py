@@ -105,8 +105,8 @@ class DepthMatchedPath(nn.Module):
 class DedicatedLayerPath(nn.Module):
     """For a few chosen target layers, a linear map of their own from chosen source layers (aligned to target tokens)
     and the target's embedding of each token (or, with `reads_residual`, the target's own residual stream entering
-    one of its layers, RMS-normalised: `MoTConfig.dedicated_bottom_layers`, and then optionally an MLP on it too:
-    `MoTConfig.dedicated_mlp_size`), added to the mixture's output for those layers.
+    one of its layers, RMS-normalised: `MoTConfig.dedicated_bottom_layers`), added to the mixture's output for
+    those layers.
 
     Retrieval over long contexts lives in a few layers (Gemma 3's full-attention layers), and the shared
     representation does not carry them well enough; a map per layer from many source layers can, and can be fitted
@@ -117,37 +117,20 @@ class DedicatedLayerPath(nn.Module):
 
     def __init__(
         self, target_layers: list[int], source_layers: list[int], source: KVLayout, target: KVLayout,
-        embedding_size: int | None, reads_residual: bool = False, mlp_size: int | None = None,
+        embedding_size: int | None, reads_residual: bool = False,
     ):
         super().__init__()
         self.reads_residual = reads_residual
         self.target_layers = list(target_layers)
         self.source_layers = list(source_layers)
-        self.embedding_size = embedding_size or 0
-        self.in_features = len(source_layers) * source.feature_size + self.embedding_size
+        self.in_features = len(source_layers) * source.feature_size + (embedding_size or 0)
         self.weight = nn.Parameter(torch.empty(len(target_layers), self.in_features, target.feature_size))
         self.bias = nn.Parameter(torch.empty(len(target_layers), target.feature_size))
-        self.mlp_size = mlp_size
-        if mlp_size is not None:
-            if not reads_residual:
-                raise ValueError("The dedicated maps' MLP reads the target's residual stream: it needs "
-                                 "`reads_residual` (`MoTConfig.dedicated_bottom_layers`).")
-            # Per layer, a one-hidden-layer MLP on the residual stream, beside the linear map: what the target's
-            # layers between the residual and this one compute from it is not linear.
-            self.mlp_in = nn.Parameter(torch.empty(len(target_layers), self.embedding_size, mlp_size))
-            self.mlp_in_bias = nn.Parameter(torch.empty(len(target_layers), mlp_size))
-            self.mlp_out = nn.Parameter(torch.empty(len(target_layers), mlp_size, target.feature_size))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         init.zeros_(self.weight)
         init.zeros_(self.bias)
-        if self.mlp_size is not None:
-            # The residual stream arrives RMS-normalised: unit-scale pre-activations. The output starts at zero, so
-            # the path starts as its linear map.
-            init.normal_(self.mlp_in, std=self.embedding_size ** -0.5)
-            init.zeros_(self.mlp_in_bias)
-            init.zeros_(self.mlp_out)
 
     def inputs(
         self, source: torch.Tensor, alignment: TokenAlignment, embeddings: torch.Tensor | None,
@@ -168,17 +151,10 @@ class DedicatedLayerPath(nn.Module):
     def forward(self, inputs: torch.Tensor, which: list[int]) -> torch.Tensor:
         """The contribution to `self.target_layers[i] for i in which`: `(batch, tokens, len(which), features)`."""
         weight, bias = self.weight, self.bias
-        mlp = (self.mlp_in, self.mlp_in_bias, self.mlp_out) if self.mlp_size is not None else None
         if len(which) < len(self.target_layers):
             index = layer_index(which, weight.device)
             weight, bias = weight.index_select(0, index), bias.index_select(0, index)
-            mlp = mlp and tuple(t.index_select(0, index) for t in mlp)
-        out = torch.einsum("btf,lfo->btlo", inputs, weight) + bias
-        if mlp is not None:
-            states = inputs[..., inputs.shape[-1] - self.embedding_size:]
-            hidden = F.gelu(torch.einsum("bte,leh->btlh", states, mlp[0]) + mlp[1])
-            out = out + torch.einsum("btlh,lho->btlo", hidden, mlp[2])
-        return out
+        return torch.einsum("btf,lfo->btlo", inputs, weight) + bias
 
 
 def rms_normalize(block: torch.Tensor, head_dim: int, eps: float = 1e-6) -> torch.Tensor:
@@ -245,8 +221,7 @@ class KVMixture(nn.Module):
         if config.dedicated_layers:
             self.dedicated = DedicatedLayerPath(config.dedicated_layers, config.dedicated_source_layers, source,
                                                 target, config.target_embedding_size,
-                                                reads_residual=config.dedicated_bottom_layers is not None,
-                                                mlp_size=config.dedicated_mlp_size)
+                                                reads_residual=config.dedicated_bottom_layers is not None)
         self.normalized_layers = set(config.dedicated_layers or ()) if keys and config.dedicated_key_norm else set()
         self.head_dim = target.head_dim
 

@@ -340,7 +340,6 @@ def distill_attention(
     learning_rate: float = 1e-4,
     adapter: list[torch.nn.Parameter] | None = None,
     adapter_learning_rate: float = 1e-3,
-    mlp_learning_rate: float = 1e-3,
     seed: int = 0,
     progress: bool = True,
 ) -> list[dict]:
@@ -351,22 +350,16 @@ def distill_attention(
     `target_model`, trained jointly (at `adapter_learning_rate`) on the queries it makes (`attention_error`'s
     `adapted`).
 
-    The maps' MLPs (`MoTConfig.dedicated_mlp_size`) train at `mlp_learning_rate`: they start from zero output, not
-    from the ridge fit.
-
     Returns one dict per epoch: its validation KL and output error per layer, and their mean (`loss`).
     """
     paths = [translator.key_mixture.dedicated, translator.value_mixture.dedicated]
-    mlps = [p for path in paths if path.mlp_size is not None for p in (path.mlp_in, path.mlp_in_bias, path.mlp_out)]
-    params = [p for path in paths for p in path.parameters() if all(p is not q for q in mlps)]
+    params = [p for path in paths for p in path.parameters()]
     adapter = list(adapter or [])
     adapted = bool(adapter)
-    frozen = [p for p in translator.parameters() if all(p is not q for q in params + mlps)]
+    frozen = [p for p in translator.parameters() if all(p is not q for q in params)]
     for p in frozen:
         p.requires_grad_(False)
     groups = [{"params": params, "lr": learning_rate, "base_lr": learning_rate}]
-    if mlps:
-        groups.append({"params": mlps, "lr": mlp_learning_rate, "base_lr": mlp_learning_rate})
     if adapted:
         groups.append({"params": adapter, "lr": adapter_learning_rate, "base_lr": adapter_learning_rate})
     optimizer = torch.optim.Adam(groups)
@@ -412,15 +405,14 @@ def default_source_layers(num_layers: int, count: int = 10) -> list[int]:
 
 def with_dedicated_layers(
     translator: MoTTranslator, layers: list[int], source_layers: list[int], key_norm: bool,
-    bottom_layers: int | None = None, target_config=None, mlp_size: int | None = None,
+    bottom_layers: int | None = None, target_config=None,
 ) -> MoTTranslator:
     """A copy of `translator` with (zero) dedicated maps for `layers`, reading `source_layers`: it translates exactly
     as `translator` does until they are fitted (apart from key normalisation, with `key_norm`).
 
     With `bottom_layers`, the maps read the target's residual stream entering that layer in place of its token
     embeddings (`MoTConfig.dedicated_bottom_layers`), and the copy's recommended `recompute` becomes what reading the
-    layers below costs (`target_config`, the target model's config, prices it); `mlp_size` also gives each map an
-    MLP of that width on the residual stream (`MoTConfig.dedicated_mlp_size`), starting at zero output."""
+    layers below costs (`target_config`, the target model's config, prices it)."""
     if translator.config.architecture != "mixture":
         raise ValueError("Dedicated layers need a mixture translator (`architecture='mixture'`).")
     if translator.config.dedicated_layers:
@@ -432,7 +424,6 @@ def with_dedicated_layers(
     config.dedicated_layers, config.dedicated_source_layers = list(layers), list(source_layers)
     config.dedicated_key_norm = key_norm
     config.dedicated_bottom_layers = bottom_layers
-    config.dedicated_mlp_size = mlp_size
     config._check_dedicated_layers()
     if bottom_layers is not None:
         if target_config is None:
@@ -462,7 +453,6 @@ def fit_dedicated_layers(
     learning_rate: float = 1e-4,
     target_lora_rank: int | None = None,
     adapter_learning_rate: float = 1e-3,
-    mlp_learning_rate: float = 1e-3,
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
@@ -504,8 +494,7 @@ def fit_dedicated_layers(
     try:
         report["epochs"] = distill_attention(translator, target_model, train, validation, epochs=epochs,
                                              learning_rate=learning_rate, adapter=adapter,
-                                             adapter_learning_rate=adapter_learning_rate,
-                                             mlp_learning_rate=mlp_learning_rate, seed=seed,
+                                             adapter_learning_rate=adapter_learning_rate, seed=seed,
                                              progress=progress)
         report["distilled"] = mean_attention_error(translator, target_model, validation, adapted=adapter is not None)
     finally:
