@@ -85,7 +85,10 @@ TRAIN_DEFAULTS = dict(max_steps=2000, per_device_train_batch_size=4, learning_ra
                       weight_decay=0.0, max_grad_norm=1.0, seed=0,
                       # Without a GPU, `torchrun --nproc_per_node N` gives N processes on the CPU (gloo) only when
                       # the arguments say CPU; otherwise each process trains alone on the whole data.
-                      use_cpu=not torch.cuda.is_available())
+                      use_cpu=not torch.cuda.is_available(),
+                      # On a GPU, worker processes tokenise and align the next batches while the card trains on this
+                      # one; on a CPU they would take cores from the models' forward passes.
+                      dataloader_num_workers=4 if torch.cuda.is_available() else 0)
 # What the run record keeps of the training arguments (the rest are `TrainingArguments` defaults).
 RECORDED_TRAINING = ("output_dir", "max_steps", "gradient_accumulation_steps", "learning_rate", "warmup_steps",
                      "seed", "bf16", "fresh_learning_rate", "time_budget_minutes",
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
         max_chunks=data_args.max_train_chunks, recall_fraction=data_args.recall_fraction,
         question_fraction=data_args.question_fraction, seed=training_args.seed,
     )
+    if training_args.dataloader_num_workers:
+        # The tokenizers' own threads cannot survive the fork into the workers; the workers are the parallelism.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     trainer = MoTTrainer(
         model=translator, args=training_args, source_model=source, target_model=target,
         train_dataset=train_dataset, data_collator=MoTDataCollator(source_tok, target_tok),

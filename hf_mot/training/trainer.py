@@ -162,6 +162,10 @@ class MoTTrainer(Trainer):
         if self.args.time_budget_minutes is not None:
             self.add_callback(TimeBudget(self.args.time_budget_minutes))
         self._loss_parts: list[dict[str, float]] = []
+        # Context tokens read since the last log, kept on the device between logs: counting them must not wait for
+        # the GPU every step.
+        self._context_tokens: torch.Tensor | int = 0
+        self._since: float | None = None  # set by the first step: loading models and data is not reading
         names = dict(self.model.named_parameters())
         unknown = sorted(set(fresh_parameters or ()) - set(names))
         if unknown:
@@ -192,6 +196,9 @@ class MoTTrainer(Trainer):
                 model, self.source_model, self.target_model, inputs, self.args
             )
         self._loss_parts.append(parts.detached())
+        self._context_tokens = self._context_tokens + inputs["target_attention_mask"].sum()
+        if self._since is None:
+            self._since = time.monotonic()
         return (parts.total, {"loss": parts.total}) if return_outputs else parts.total
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
@@ -201,4 +208,9 @@ class MoTTrainer(Trainer):
             for name in names:
                 logs[name] = round(sum(p[name] for p in self._loss_parts) / len(self._loss_parts), 5)
             self._loss_parts.clear()
+            # Every process reads its own batches; the main one logs, so the rate is its own times their number.
+            if self._since is not None:
+                elapsed = time.monotonic() - self._since
+                logs["context_tokens_per_second"] = round(int(self._context_tokens) * self.args.world_size / elapsed)
+            self._context_tokens, self._since = 0, time.monotonic()
         super().log(logs, *args, **kwargs)
