@@ -230,6 +230,27 @@ def test_gradient_accumulation_averages_the_micro_batches(tmp_path):
         assert torch.allclose(steps[2][name], steps[1][name], rtol=1e-4, atol=1e-8), name
 
 
+def test_dataloader_workers_train_as_the_main_process_does(tmp_path):
+    """With `dataloader_num_workers`, the pairs are tokenised and aligned in worker processes, off the step's
+    critical path, and the batches (their alignment object included) cross over to the main process. The steps must
+    be those of a run without workers, and the log must say how many context tokens a second the run read."""
+    weights, logs = {}, {}
+    for workers in (0, 2):
+        translator, source, target, collate = _pair()
+        args = MoTTrainingArguments(str(tmp_path / str(workers)), max_steps=2, learning_rate=1e-2,
+                                    per_device_train_batch_size=2, dataloader_num_workers=workers, use_cpu=True,
+                                    save_strategy="no", logging_steps=1, seed=3)
+        trainer = MoTTrainer(model=translator, args=args, source_model=source, target_model=target,
+                             train_dataset=_examples(), data_collator=collate)
+        trainer.train()
+        weights[workers] = {name: p.detach().clone() for name, p in translator.named_parameters()}
+        logs[workers] = [row for row in trainer.state.log_history if "loss" in row]
+    for name, value in weights[0].items():
+        assert torch.allclose(weights[2][name], value, atol=1e-6), name
+    assert [row["loss"] for row in logs[2]] == pytest.approx([row["loss"] for row in logs[0]], rel=1e-5)
+    assert len(logs[2]) == 2 and all(row["context_tokens_per_second"] > 0 for row in logs[2])
+
+
 def test_corpus_split_is_by_document_and_disjoint():
     docs = [f"document number {i} " + "word " * 60 for i in range(200)]
     splits = [document_split(d, 10) for d in docs]
@@ -286,27 +307,6 @@ def test_question_pairs_ask_for_the_span_after_a_cue_from_their_context():
 
 
 # Training script runs in subprocesses, on tiny models saved to disk.
-
-def test_dataloader_workers_train_as_the_main_process_does(tmp_path):
-    """With `dataloader_num_workers`, the pairs are tokenised and aligned in worker processes, off the step's
-    critical path, and the batches (their alignment object included) cross over to the main process. The steps must
-    be those of a run without workers, and the log must say how many context tokens a second the run read."""
-    weights, logs = {}, {}
-    for workers in (0, 2):
-        translator, source, target, collate = _pair()
-        args = MoTTrainingArguments(str(tmp_path / str(workers)), max_steps=2, learning_rate=1e-2,
-                                    per_device_train_batch_size=2, dataloader_num_workers=workers, use_cpu=True,
-                                    save_strategy="no", logging_steps=1, seed=3)
-        trainer = MoTTrainer(model=translator, args=args, source_model=source, target_model=target,
-                             train_dataset=_examples(), data_collator=collate)
-        trainer.train()
-        weights[workers] = {name: p.detach().clone() for name, p in translator.named_parameters()}
-        logs[workers] = [row for row in trainer.state.log_history if "loss" in row]
-    for name, value in weights[0].items():
-        assert torch.allclose(weights[2][name], value, atol=1e-6), name
-    assert [row["loss"] for row in logs[2]] == pytest.approx([row["loss"] for row in logs[0]], rel=1e-5)
-    assert len(logs[2]) == 2 and all(row["context_tokens_per_second"] > 0 for row in logs[2])
-
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
