@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from hf_mot import MoTTranslator
+from hf_mot.configuration_mot import check_recompute
 from hf_mot.data import TRAINING_DATASETS
 from hf_mot.hub import SHIPPED_TRANSLATORS, shipped_translator_dir
 from hf_mot.model_card import DEFAULT_USAGE_PROMPT, render_model_card
@@ -84,7 +85,8 @@ def _fit_phase(run: Path) -> tuple[str, str]:
 def describe_phases(run: Path) -> list[str]:
     """One line per training phase (a run started `--init-from` another adds a phase), oldest first; an
     interpolated translator (scripts/interpolate_translator.py) lists its run's phases and then that step, a
-    translator from `hf-mot fit-layers` those of the translator it started from and then the fit."""
+    translator from `hf-mot fit-layers` those of the translator it started from and then the fit, and a training
+    run started from such a fit the fit's phases and then its own."""
     if (run / LAYER_FIT_RECORD).exists():
         line, parent = _fit_phase(run)
         shipped = shipped_translator_dir(parent)
@@ -133,6 +135,10 @@ def describe_phases(run: Path) -> list[str]:
             + _added_paths(folder, a.get("init_from"))
         )
         parent, record = a.get("init_from"), record.get("init_from_record")
+    if parent is not None and (Path(parent) / LAYER_FIT_RECORD).exists():
+        # Started from an `hf-mot fit-layers` output, whose card lists no phases: the fit's record holds them.
+        listed = {_phase_command(line) for line in lines}
+        return [*(line for line in describe_phases(Path(parent)) if _phase_command(line) not in listed), *lines[::-1]]
     # A run started from a packaged translator (a shipped one) has no recorded command for it: its own card
     # lists its phases. Once this run is shipped into that same package, the card lists this run's phases too
     # (a second packaging, with --evaluation, reads it back): phases whose command is already listed are skipped.
@@ -153,6 +159,27 @@ def _phase_command(line: str) -> str:
     return line.split("`")[1]
 
 
+def recommended_point(dial: dict, recompute: float) -> str:
+    """The card's sentence on why `recompute` is recommended, from the dial run over all its contexts."""
+    summary = dial["summary"]["all"]
+    chosen, control, pure = (summary.get(name) for name in (f"recompute={recompute:g}", f"control {recompute:g}",
+                                                             "recompute=0"))
+    if chosen is None or (recompute > 0 and control is None) or pure is None:
+        raise ValueError(f"The dial run did not measure recompute=0, recompute={recompute:g} and its control: run "
+                         f"benchmarks/quality_dial.py with --budgets 0 {recompute:g}.")
+
+    def point(s):
+        low, high = s["retention_interval"]
+        return f"{100 * s['retention']:.0f}% [{100 * low:.0f}, {100 * high:.0f}] of native"
+
+    text = (f"The recommended `recompute` comes from the speed/quality curve above ({summary['contexts']} held-out "
+            f"contexts): pure translation keeps {point(pure)} at {pure['speedup']:.1f}x the target's prefill speed")
+    if recompute > 0:
+        text += (f"; `recompute={recompute:g}` keeps {point(chosen)} at {chosen['speedup']:.1f}x, where the target "
+                 f"reading only the tokens it recomputes keeps {point(control)}")
+    return text + "."
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, required=True, help="training output dir (final translator inside)")
@@ -161,6 +188,10 @@ def main() -> None:
     parser.add_argument("--evaluation", type=Path, help="evaluation.json written by `hf-mot evaluate` (optional)")
     parser.add_argument("--dial", type=Path,
                         help="JSON written by benchmarks/quality_dial.py with this translator (optional): its table")
+    parser.add_argument(
+        "--recompute", type=float,
+        help="the recommended `recompute` to record in the config (what `recompute=None` uses), chosen from the "
+        "--dial run, which must have measured it; omit: the translator's own")
     parser.add_argument("--repo-id", required=True, choices=sorted(SHIPPED_TRANSLATORS))
     parser.add_argument("--source", required=True, help="load name of the source model")
     parser.add_argument("--target", required=True, help="load name of the target model")
@@ -172,6 +203,10 @@ def main() -> None:
     args = parser.parse_args()
 
     translator = MoTTranslator.from_pretrained(args.run)
+    if args.recompute is not None:
+        if args.dial is None:
+            parser.error("--recompute needs --dial: the recommended point is chosen from the measured curve.")
+        translator.config.recompute = check_recompute(args.recompute, "--recompute")
     interpolation = args.run / INTERPOLATION_RECORD
     trained = Path(json.loads(interpolation.read_text())["run"]) if interpolation.exists() else args.run
     history = None
@@ -224,6 +259,8 @@ def main() -> None:
         evaluation += (f"\n\nQA retention of the target's own answers, with the speed-up over its prefill "
                        f"(`{dial['command']}`; `recompute=0` is this translator. {dial.get('note', '')}):\n\n"
                        + dial["table"])
+        if args.recompute is not None:
+            evaluation += "\n\n" + recommended_point(dial, args.recompute)
     qa = None
     if args.evaluation is not None:
         report = json.loads(args.evaluation.read_text())

@@ -188,3 +188,31 @@ def test_card_phase_of_a_layer_fit(tmp_path):
     # Shipped into the package it started from, then packaged again: the fit is listed once.
     (package / "README.md").write_text(card + "\n" + phases[-1] + "\n")
     assert ship.describe_phases(fitted) == phases
+
+    # The output layers trained end to end after the fit (`hf-mot train --init-from` the fit's folder, whose card
+    # lists no phases): the fit's phases, then the run's.
+    run = tmp_path / "after-fit"
+    run.mkdir()
+    argv = ["--source", "s", "--target", "t", "--init-from", str(fitted), "--output-dir", str(run)]
+    args = {"init_from": str(fitted), "output_dir": str(run), "batch_size": 4, "context_words": [160, 640],
+            "continuation_words": 16, "nll_weight": 1.0, "kv_weight": 0.0, "kl_weight": 2.0, "balance_weight": 0.01}
+    (run / "train_command.json").write_text(json.dumps({"argv": argv, "args": args}))
+    (run / "trainer_state.json").write_text(json.dumps({"global_step": 45, "log_history": [{"train_runtime": 780}]}))
+    after = ship.describe_phases(run)
+    assert after[:-1] == phases
+    assert after[-1].startswith(f"- `hf-mot train {' '.join(argv)}`: 45 steps, 13 min;")
+    # Shipped into the package the fit started from, then packaged again: each phase is listed once.
+    (package / "README.md").write_text(card + "\n" + "\n".join(after[-2:]) + "\n")
+    assert ship.describe_phases(run) == after
+
+
+def test_recommended_point_reads_the_dial_run():
+    ship = _ship_script()
+    dial = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "quality_dial.json").read_text())
+    summary = dial["summary"]["all"]
+    text = ship.recommended_point(dial, 0.2)
+    chosen, control = summary["recompute=0.2"], summary["control 0.2"]
+    assert f"`recompute=0.2` keeps {100 * chosen['retention']:.0f}% [" in text
+    assert f"{chosen['speedup']:.1f}x" in text and f"keeps {100 * control['retention']:.0f}% [" in text
+    with pytest.raises(ValueError, match="--budgets 0 0.4"):
+        ship.recommended_point(dial, 0.4)  # not measured: no point to recommend
