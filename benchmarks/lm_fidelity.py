@@ -3,7 +3,9 @@
 For each translator and condition: continuation NLL with no context, with the native context and with
 the translated cache; the share of the no-context-to-native gap that translation closes; top-1 agreement
 with the native next-token predictions; KL to them. Contexts of several lengths (target tokens) are cut from
-the validation documents of `hf_mot.training.data` (split by document; never trained on).
+the validation documents of `hf_mot.training.data` (split by document; never trained on). With several
+translators, each after the first is compared with it pair by pair: the differences in gap closed and top-1
+agreement, with 95% bootstrap intervals over the pairs.
 
 Usage:
     python benchmarks/lm_fidelity.py --translator shipped=hf-mot/smollm2-135m-to-gemma3-270m \
@@ -33,6 +35,7 @@ from hf_mot.evaluation.fidelity import (
     PAIRS_PER_ARTICLE,
     evaluate_fidelity,
     heldout_examples,
+    paired_difference,
     summarize,
 )
 from hf_mot.evaluation.report import machine_info
@@ -179,6 +182,17 @@ def main() -> None:
             )
     table = "\n".join(lines)
     print(table)
+    # Each later translator against the first, on the same pairs: is the difference more than noise?
+    first, *others = paths
+    for name in others:
+        results[name]["paired"] = {"against": first}
+        for mode in modes:
+            if f"{first}/{mode}" in conditions and f"{name}/{mode}" in conditions:
+                d = paired_difference(rows, f"{first}/{mode}", f"{name}/{mode}")
+                results[name]["paired"][mode] = d
+                print(f"{name} - {first} ({mode}, paired over {d['examples']} pairs): gap closed "
+                      f"{100 * d['gap_closed']:+.1f} points {_points(d['gap_closed_interval'])}, top-1 agreement "
+                      f"{100 * d['top1_agreement']:+.1f} {_points(d['top1_agreement_interval'])}")
 
     report = {
         "benchmark": "lm_fidelity",
@@ -200,6 +214,10 @@ def main() -> None:
     write_json_atomically(args.output, report)
     plot(results, args.output.with_suffix(".png"), tail_by_length, args.native_tail)
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+
+
+def _points(interval: list[float]) -> str:
+    return f"[{100 * interval[0]:+.1f}, {100 * interval[1]:+.1f}]"
 
 
 def plot(results: dict, path: Path, tail_by_length: dict, tail: int) -> None:

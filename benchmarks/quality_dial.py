@@ -12,7 +12,9 @@ For every context, side by side:
 - `no_context`: the floor.
 
 Retention is a condition's mean score over the native mean score, with a 95% bootstrap interval from
-resampling contexts (paired: the same resample for both means). Speed-up is the native prefill's time over the
+resampling contexts (paired: the same resample for both means); `paired` in the JSON (and printed for all contexts)
+holds differences over the same contexts: each setting minus its control and minus pure translation, and pure
+translation minus each `--compare` translator. Speed-up is the native prefill's time over the
 condition's time to give the target its context (median over contexts, bootstrap interval), with the source
 cache given, and also counting the source's own prefill. Times include tokenizing and aligning; answers are
 greedy and not timed.
@@ -175,6 +177,36 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
     return out
 
 
+def paired(rows: list[dict], budgets: list[float], compare: tuple[str, ...] = (), resamples: int = 2000) -> dict:
+    """Differences over the same contexts, per task and all pooled, as points of native score: each dial setting
+    minus its control, each setting above 0 minus pure translation, pure translation minus each compared
+    translator; with a paired 95% bootstrap interval and how many contexts score higher and lower."""
+    pairs = [(f"control {r:g}", f"recompute={r:g}") for r in budgets]
+    pairs += [("recompute=0", f"recompute={r:g}") for r in budgets if r > 0 and 0 in budgets]
+    pairs += [(name, "recompute=0") for name in compare if 0 in budgets]
+    out = {}
+    for task in sorted({r["task"] for r in rows}) + ["all"]:
+        chosen = [r for r in rows if task in ("all", r["task"])]
+        native = [statistics.fmean(r["native"]) for r in chosen]
+        out[task] = {}
+        for a, b in pairs:
+            if not all(a in r and b in r for r in chosen):
+                continue
+            score_a, score_b = ([statistics.fmean(r[n]["scores"] if isinstance(r[n], dict) else r[n]) for r in chosen]
+                                for n in (a, b))
+
+            def difference(idx, score_a=score_a, score_b=score_b, native=native):
+                base = sum(native[i] for i in idx)
+                return sum(score_b[i] - score_a[i] for i in idx) / base if base else float("nan")
+
+            out[task][f"{b} - {a}"] = {
+                "difference": difference(range(len(chosen))),
+                "interval": _bootstrap(difference, len(chosen), resamples, 2),
+                "higher": sum(y > x for x, y in zip(score_a, score_b, strict=True)),
+                "lower": sum(y < x for x, y in zip(score_a, score_b, strict=True))}
+    return out
+
+
 def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (), bottom: tuple[float, ...] = ()) -> str:
     lines = ["| task | contexts | tokens | native score | setting | score | retention [95% CI] | speed-up [95% CI] "
              "| with source prefill |", "|---|---|---|---|---|---|---|---|---|"]
@@ -314,7 +346,8 @@ def main() -> None:
             "models": {"source": args.source, "target": args.target, "translator": args.translator,
                        "compare": dict(spec.split("=", 1) for spec in args.compare)},
             "budgets": args.budgets, "bottom": list(bottom), "summary": summary,
-            "table": table(summary, args.budgets, names, bottom), "rows": rows,
+            "table": table(summary, args.budgets, names, bottom),
+            "paired": paired(rows, args.budgets, names), "rows": rows,
         }
 
     for item in tqdm(items, desc="contexts"):
@@ -323,6 +356,10 @@ def main() -> None:
             write_json_atomically(args.output, report(complete=False))
     final = report(complete=True)
     print(final["table"])
+    for name, d in final["paired"]["all"].items():
+        low, high = (100 * end for end in d["interval"])
+        print(f"paired, all contexts: {name}: {100 * d['difference']:+.1f} points of native [{low:+.1f}, {high:+.1f}] "
+              f"({d['higher']} contexts higher, {d['lower']} lower)")
     write_json_atomically(args.output, final)
     summary = final["summary"]
     figure = plot(summary, args.budgets, args.output.with_suffix(".png"), names, bottom, translator.config.recompute)

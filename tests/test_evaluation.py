@@ -1,7 +1,9 @@
 """The evaluation harness: metrics on hand-made cases, the tasks' data, and the harness end to end on tiny models
 (with the identity translator, every translated condition must score exactly what native reading scores)."""
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 from conftest import char_tokenizer, identity_translator, tiny_model
@@ -115,3 +117,23 @@ def test_report_json_names_the_machine_and_is_never_half_written(tmp_path):
         write_json_atomically(path, {"gap": object()})
     assert json.loads(path.read_text()) == {"machine": machine, "gap": 0.5}
     assert [p.name for p in path.parent.iterdir()] == ["report.json"]
+
+
+def test_quality_dial_pairs_settings_over_the_same_contexts():
+    path = Path(__file__).parents[1] / "benchmarks" / "quality_dial.py"
+    spec = importlib.util.spec_from_file_location("quality_dial", path)
+    dial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dial)
+    # Ten contexts of one question: the dial point answers the first six, its control the first two, pure
+    # translation the first four and a compared translator the last five.
+    rows = [{"task": "needle" if i < 5 else "synthetic", "native": [1.0], "no_context": [0.0],
+             "recompute=0": {"scores": [float(i < 4)]}, "recompute=0.2": {"scores": [float(i < 6)]},
+             "control 0.2": {"scores": [float(i < 2)]}, "other": {"scores": [float(i >= 5)]}} for i in range(10)]
+    out = dial.paired(rows, [0, 0.2], ("other",))["all"]
+    assert out["recompute=0.2 - control 0.2"]["difference"] == pytest.approx(0.4)
+    assert (out["recompute=0.2 - control 0.2"]["higher"], out["recompute=0.2 - control 0.2"]["lower"]) == (4, 0)
+    low, high = out["recompute=0.2 - control 0.2"]["interval"]
+    assert 0 < low <= 0.4 <= high < 1
+    assert out["recompute=0.2 - recompute=0"]["difference"] == pytest.approx(0.2)
+    other = out["recompute=0 - other"]
+    assert other["difference"] == pytest.approx(-0.1) and (other["higher"], other["lower"]) == (4, 5)

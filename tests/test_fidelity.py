@@ -6,6 +6,7 @@ import pytest
 from conftest import CONTEXTS, char_tokenizer, identity_translator, tiny_model
 
 from hf_mot.evaluation import FidelityExample, evaluate_fidelity, summarize
+from hf_mot.evaluation.fidelity import paired_difference
 
 
 def test_summary_of_known_rows():
@@ -21,6 +22,24 @@ def test_summary_of_known_rows():
     assert math.isclose(summary["full"]["gap_closed"], (3.0 - 1.75) / (3.0 - 1.5))
     assert summary["full"]["top1_agreement"] == 0.75
     assert math.isclose(summary["full"]["kl"], 0.15)
+
+
+def test_paired_difference_of_known_rows():
+    rows = [
+        {"scored": 4, "no_context": {"nll": 8.0 + i % 3}, "native": {"nll": 4.0},
+         "a": {"nll": 6.0, "top1_agree": 2, "kl": 0.5}, "b": {"nll": 5.0 + (i % 2), "top1_agree": 3, "kl": 0.4}}
+        for i in range(40)
+    ]
+    summary = summarize(rows, ["a", "b"])
+    d = paired_difference(rows, "a", "b")
+    # b minus a, as the summaries of each give them
+    assert math.isclose(d["gap_closed"], summary["b"]["gap_closed"] - summary["a"]["gap_closed"])
+    assert math.isclose(d["top1_agreement"], 0.25)
+    low, high = d["gap_closed_interval"]
+    assert 0 < low < d["gap_closed"] < high  # b is better on every row, yet the rows vary
+    assert d["top1_agreement_interval"] == pytest.approx([0.25, 0.25])  # the same difference on every row
+    same = paired_difference(rows, "a", "a")
+    assert same["gap_closed"] == 0 and same["gap_closed_interval"] == [0, 0]
 
 
 @pytest.mark.parametrize("mode", ["full", "window"])

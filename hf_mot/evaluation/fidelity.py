@@ -204,3 +204,34 @@ def summarize(rows: list[dict], conditions: list[str]) -> dict:
                 for values in zip(*(r[name]["kl_by_position"] for r in rows), strict=False)
             ]
     return out
+
+
+def paired_difference(rows: list[dict], baseline: str, other: str, resamples: int = 2000, seed: int = 0) -> dict:
+    """`other` minus `baseline` in gap closed and top-1 agreement (fractions, as `summarize` gives them), each
+    with a 95% bootstrap interval from resampling the examples (one resample for both conditions: paired), so
+    that two translators measured on the same pairs can be told apart from noise."""
+    columns = {name: torch.tensor(values, dtype=torch.float64) for name, values in {
+        "scored": [r["scored"] for r in rows], "none": [r["no_context"]["nll"] for r in rows],
+        "native": [r["native"]["nll"] for r in rows],
+        **{f"{key}_{c}": [r[c][key] for r in rows] for c in (baseline, other) for key in ("nll", "top1_agree")},
+    }.items()}
+
+    def stats(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # weights: (resamples, examples) counts of each example in each resample.
+        total = {name: weights @ column for name, column in columns.items()}
+        gap = [(total["none"] - total[f"nll_{c}"]) / (total["none"] - total["native"]) for c in (baseline, other)]
+        top1 = [total[f"top1_agree_{c}"] / total["scored"] for c in (baseline, other)]
+        return gap[1] - gap[0], top1[1] - top1[0]
+
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.randint(len(rows), (resamples, len(rows)), generator=generator)
+    weights = torch.zeros(resamples, len(rows), dtype=torch.float64).scatter_add_(
+        1, draws, torch.ones_like(draws, dtype=torch.float64))
+    gap, top1 = stats(torch.ones(1, len(rows), dtype=torch.float64))
+    gap_draws, top1_draws = stats(weights)
+    return {"examples": len(rows), "gap_closed": gap.item(), "gap_closed_interval": _interval(gap_draws),
+            "top1_agreement": top1.item(), "top1_agreement_interval": _interval(top1_draws)}
+
+
+def _interval(draws: torch.Tensor) -> list[float]:
+    return [draws.quantile(0.025).item(), draws.quantile(0.975).item()]
