@@ -205,18 +205,6 @@ def quality_dial() -> list[str]:
     if report is None:
         return []
     machine = report["machine"]
-    low = load_result("quality_dial_low.json")
-    extra = [] if low is None else [
-        f"The low end of the dial, a second run on the same contexts (`{low['command']}`; "
-        f"{low['machine']['cpu']} ({', '.join(low['machine']['cpu_features'])}), {low['machine']['threads']} "
-        f"threads){'' if low.get('complete', True) else ', stopped early'}."
-        + (f" {low['note']}" if "note" in low else ""),
-        "",
-        low["table"],
-        "",
-        "![quality dial, low end](benchmarks/results/quality_dial_low.png)",
-        "",
-    ]
     return [
         "### The speed/quality dial (`recompute=r`): QA retention against speed-up",
         "",
@@ -234,7 +222,6 @@ def quality_dial() -> list[str]:
         "",
         "![quality dial](benchmarks/results/quality_dial.png)",
         "",
-        *extra,
     ]
 
 
