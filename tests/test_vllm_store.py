@@ -77,11 +77,11 @@ def test_an_entry_for_recomputing_holds_what_the_tail_attends_to(smollm2, gemma3
     assert header.first_positions == tuple(0 if i in (5, 11, 17) else tokens - 511 - tail for i in range(18))
     assert header.refusal(tokens - tail) is None and header.refusal(tokens - tail - 1) is not None
     # The shipped translator recommends a tail: an entry that could not serve it is refused.
-    assert translator.config.recompute > 0.1
+    assert translator.config.recompute > 0
     with pytest.raises(ValueError, match="below the translator's recommended recompute"):
         write_store_entries(tmp_path, CONTEXT, translator=translator, source_model=source,
                             source_tokenizer=source_tok, target_model=target, target_tokenizer=target_tok,
-                            max_recompute=0.1)
+                            max_recompute=translator.config.recompute / 2)
     with pytest.raises(ValueError, match="must be in"):
         write_store_entries(tmp_path, CONTEXT, translator=translator, source_model=source,
                             source_tokenizer=source_tok, target_model=target, target_tokenizer=target_tok,
