@@ -139,6 +139,11 @@ def _bootstrap(values_fn, n: int, resamples: int, seed: int) -> tuple[float, flo
     return stats[int(0.025 * resamples)], stats[int(0.975 * resamples) - 1]
 
 
+def _context_scores(rows: list[dict], name: str) -> list[float]:
+    """Each context's mean score under condition `name` (timed conditions keep theirs under "scores")."""
+    return [statistics.fmean(r[name]["scores"] if isinstance(r[name], dict) else r[name]) for r in rows]
+
+
 def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, compare: tuple[str, ...] = (),
               bottom: tuple[float, ...] = ()) -> dict:
     """Per task (and all tasks pooled): per condition mean score, retention and speed-ups, with intervals."""
@@ -149,7 +154,7 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
         native = [statistics.fmean(r["native"]) for r in chosen]
 
         def condition(name, chosen=chosen, native=native):
-            scores = [statistics.fmean(r[name]["scores"] if isinstance(r[name], dict) else r[name]) for r in chosen]
+            scores = _context_scores(chosen, name)
 
             def retention(idx):
                 base = sum(native[i] for i in idx)
@@ -192,8 +197,7 @@ def paired(rows: list[dict], budgets: list[float], compare: tuple[str, ...] = ()
         for a, b in pairs:
             if not all(a in r and b in r for r in chosen):
                 continue
-            score_a, score_b = ([statistics.fmean(r[n]["scores"] if isinstance(r[n], dict) else r[n]) for r in chosen]
-                                for n in (a, b))
+            score_a, score_b = _context_scores(chosen, a), _context_scores(chosen, b)
 
             def difference(idx, score_a=score_a, score_b=score_b, native=native):
                 base = sum(native[i] for i in idx)
