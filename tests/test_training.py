@@ -306,6 +306,37 @@ def test_question_pairs_ask_for_the_span_after_a_cue_from_their_context():
         ContextContinuationDataset("validation", recall_fraction=0.6, question_fraction=0.6)
 
 
+def test_retrieval_pairs_replace_a_share_and_reach_past_one_document():
+    options = {"context_words": (160, 640), "continuation_words": 16, "recall_fraction": 0.3, "seed": 5}
+    plain = ContextContinuationDataset("train", **options)
+    mixed = ContextContinuationDataset("train", retrieval_fraction=0.25, retrieval_context_words=(1500, 2000),
+                                       **options)
+    assert len(mixed) == len(plain)
+    replaced = [i for i, e in enumerate(mixed.examples) if e["corpus"] == "retrieval"]
+    assert len(replaced) == round(0.25 * len(plain))
+    # The rest are the same pairs at the same places.
+    kept = sorted(set(range(len(plain))) - set(replaced))
+    assert [mixed.examples[i] for i in kept] == [plain.examples[i] for i in kept]
+    facts = 0
+    for index in replaced:
+        example = mixed.examples[index]
+        words = len(example["context"].split())
+        # Longer than all but a few training documents; a fact sentence adds up to seven words.
+        assert 1500 <= words <= 2010 and example["question"]
+        found = re.fullmatch(r"\n\nQuestion: (.+)\nAnswer: (.+)", example["continuation"])
+        if found and not found.group(1).startswith("In the text above"):
+            facts += 1
+            # The answer is in the context only through the made-up fact sentence.
+            assert found.group(2) in example["context"]
+    assert 0.3 * len(replaced) < facts < 0.7 * len(replaced)
+    assert not {mixed.examples[i]["context"] for i in replaced} & {
+        e["context"] for e in ContextContinuationDataset("validation", **options).examples}
+    with pytest.raises(ValueError, match="training split only"):
+        ContextContinuationDataset("validation", retrieval_fraction=0.1)
+    with pytest.raises(ValueError, match="retrieval_fraction"):
+        ContextContinuationDataset("train", retrieval_fraction=-0.1)
+
+
 # Training script runs in subprocesses, on tiny models saved to disk.
 
 @pytest.fixture(scope="module")
@@ -519,6 +550,8 @@ def test_two_processes_train_as_one(tiny_dirs, tmp_path):
         (["--output-dir", None], "--output-dir is required"),
         (["--context-words", "4"], "--context-words takes MIN MAX"),
         (["--context-words", "9", "4"], "--context-words takes MIN MAX"),
+        (["--retrieval-context-words", "10", "400"], "--retrieval-context-words takes MIN MAX"),
+        (["--retrieval-fraction", "1.5"], "--retrieval-fraction is a share of the pairs"),
         (["--gradient-accumulation-steps", "0"], "`gradient_accumulation_steps` must be 1 or more"),
         (["--kv-weight", "-1"], "Loss weights must be 0 (off) or more"),
         (["--time-budget-minutes", "0"], "`time_budget_minutes` must be more than 0"),

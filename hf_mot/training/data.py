@@ -160,6 +160,11 @@ class ContextContinuationDataset(Dataset):
             (see `as_recall_pair`); 0 for plain continuations only.
         question_fraction (`float`): share of pairs (seeded, drawn from those not made recall pairs) whose
             continuation asks for a span of their context and answers it (see `as_question_pair`).
+        retrieval_fraction (`float`): share of pairs (a seeded sample, drawn after the recall and question
+            pairs) replaced by `retrieval_pairs`: contexts that run on across documents, half of them with a
+            made-up fact at a random depth and a question about it. Cut chunks never cross a document, so these
+            are the only pairs that reach past a document's length. Training split only.
+        retrieval_context_words (`tuple[int, int]`): range of the retrieval pairs' context lengths in words.
         seed (`int`): seed of the context lengths, the sample and the recall pairs.
     """
 
@@ -173,6 +178,8 @@ class ContextContinuationDataset(Dataset):
         max_chunks: int | None = None,
         recall_fraction: float = 0.0,
         question_fraction: float = 0.0,
+        retrieval_fraction: float = 0.0,
+        retrieval_context_words: tuple[int, int] = (200, 2400),
         seed: int = 0,
     ):
         if split not in ("train", "validation"):
@@ -184,6 +191,11 @@ class ContextContinuationDataset(Dataset):
                 "`recall_fraction` and `question_fraction` must be at least 0 and add up to at most 1, got "
                 f"{recall_fraction} and {question_fraction}."
             )
+        if not 0.0 <= retrieval_fraction <= 1.0:
+            raise ValueError(f"`retrieval_fraction` must be in [0, 1], got {retrieval_fraction}.")
+        if retrieval_fraction and split != "train":
+            raise ValueError("Retrieval pairs are cut from the training split only (`retrieval_pairs`); use "
+                             "`retrieval_fraction=0` for the validation split.")
         rng = random.Random(seed)
         self.examples = []
         for corpus, documents in sorted(training_documents().items()):
@@ -206,6 +218,14 @@ class ContextContinuationDataset(Dataset):
                 elif draw < recall_fraction + question_fraction:
                     example = as_question_pair(example, question_rng)
                 self.examples.append(example)
+        if retrieval_fraction:
+            count = round(len(self.examples) * retrieval_fraction)
+            chosen = random.Random(seed + 4).sample(range(len(self.examples)), count)
+            pairs = retrieval_pairs(count, context_words=tuple(retrieval_context_words), seed=seed + 4)
+            for index, pair in zip(chosen, pairs):
+                # Their suffixes carry a question (or a cue) before the answer: `question_nll_weight` applies.
+                self.examples[index] = {"context": pair["context"], "continuation": pair["suffix"],
+                                        "corpus": "retrieval", "question": True}
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -76,6 +76,12 @@ class DataArguments:
         "help": "share of training pairs whose continuation asks for a span of their context by the words before "
         "it and answers with it, in the QA prompts' Question:/Answer: frame (with --recall-fraction: at most 1 in "
         "all)"})
+    retrieval_fraction: float = field(default=0.0, metadata={
+        "help": "share of training pairs replaced by retrieval pairs: contexts of --retrieval-context-words that run "
+        "on across documents, half with a made-up fact at a random depth and a question about it, the rest asking "
+        "for or repeating a span (the pairs `hf-mot fit-layers` fits on); 0: none"})
+    retrieval_context_words: list[int] = field(default_factory=lambda: [200, 2400], metadata={
+        "help": "MIN MAX words of context per retrieval pair (MIN at least 20)"})
 
 
 # `hf-mot train`'s defaults where they differ from `TrainingArguments`' (a translator trains from scratch in a few
@@ -139,6 +145,12 @@ def parse(parser: HfArgumentParser, argv: list[str]):
         parser.error(str(error))
     if len(data_args.context_words) != 2 or not 0 < data_args.context_words[0] <= data_args.context_words[1]:
         parser.error(f"--context-words takes MIN MAX (0 < MIN <= MAX), got {data_args.context_words}.")
+    if len(data_args.retrieval_context_words) != 2 or not 20 <= data_args.retrieval_context_words[0] \
+            <= data_args.retrieval_context_words[1]:
+        parser.error("--retrieval-context-words takes MIN MAX (20 <= MIN <= MAX), got "
+                     f"{data_args.retrieval_context_words}.")
+    if not 0 <= data_args.retrieval_fraction <= 1:
+        parser.error(f"--retrieval-fraction is a share of the pairs, in [0, 1]; got {data_args.retrieval_fraction}.")
     if training_args.fresh_learning_rate is not None and not model_args.init_from:
         parser.error("--fresh-learning-rate is for the paths added to an --init-from translator; a translator "
                      "trained from scratch has none. Leave it out, or use --learning-rate.")
@@ -205,7 +217,8 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     train_dataset = ContextContinuationDataset(
         "train", context_words=tuple(data_args.context_words), continuation_words=data_args.continuation_words,
         max_chunks=data_args.max_train_chunks, recall_fraction=data_args.recall_fraction,
-        question_fraction=data_args.question_fraction, seed=training_args.seed,
+        question_fraction=data_args.question_fraction, retrieval_fraction=data_args.retrieval_fraction,
+        retrieval_context_words=tuple(data_args.retrieval_context_words), seed=training_args.seed,
     )
     if training_args.dataloader_num_workers:
         # The tokenizers' own threads cannot survive the fork into the workers; the workers are the parallelism.
