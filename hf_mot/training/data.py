@@ -222,7 +222,7 @@ class ContextContinuationDataset(Dataset):
             count = round(len(self.examples) * retrieval_fraction)
             chosen = random.Random(seed + 4).sample(range(len(self.examples)), count)
             pairs = retrieval_pairs(count, context_words=tuple(retrieval_context_words), seed=seed + 4)
-            for index, pair in zip(chosen, pairs):
+            for index, pair in zip(chosen, pairs, strict=True):
                 # Their suffixes carry a question (or a cue) before the answer: `question_nll_weight` applies.
                 self.examples[index] = {"context": pair["context"], "continuation": pair["suffix"],
                                         "corpus": "retrieval", "question": True}
