@@ -326,7 +326,7 @@ def test_retrieval_pairs_replace_a_share_and_reach_past_one_document():
         found = re.fullmatch(r"\n\nQuestion: (.+)\nAnswer: (.+)", example["continuation"])
         if found and not found.group(1).startswith("In the text above"):
             facts += 1
-            # The answer is in the context only through the made-up fact sentence.
+            # The made-up fact sentence, inserted into the context, carries the answer.
             assert found.group(2) in example["context"]
     assert 0.3 * len(replaced) < facts < 0.7 * len(replaced)
     assert not {mixed.examples[i]["context"] for i in replaced} & {

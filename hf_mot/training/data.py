@@ -165,7 +165,7 @@ class ContextContinuationDataset(Dataset):
             made-up fact at a random depth and a question about it. Cut chunks never cross a document, so these
             are the only pairs that reach past a document's length. Training split only.
         retrieval_context_words (`tuple[int, int]`): range of the retrieval pairs' context lengths in words.
-        seed (`int`): seed of the context lengths, the sample and the recall pairs.
+        seed (`int`): seed of the context lengths, the sample, the recall, question and retrieval pairs.
     """
 
     def __init__(
