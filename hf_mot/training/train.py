@@ -21,6 +21,7 @@ from transformers import HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..configuration_mot import MoTConfig
+from ..evaluation.tasks import needle_check_examples
 from ..files import write_json_atomically
 from ..modeling_mot import MoTTranslator
 from ..models import load_model
@@ -82,6 +83,13 @@ class DataArguments:
         "for or repeating a span (the pairs `hf-mot fit-layers` fits on); 0: none"})
     retrieval_context_words: list[int] = field(default_factory=lambda: [200, 2400], metadata={
         "help": "MIN MAX words of context per retrieval pair (MIN at least 20)"})
+    qa_eval_examples: int = field(default=0, metadata={
+        "help": "evaluate on this many held-out needle questions (made-up facts in the corpus's validation split, "
+        "answered at recompute=0) at each --eval-strategy step: logs eval_qa_f1 and eval_qa_retention; with "
+        "--load-best-model-at-end --metric-for-best-model qa_f1 the run ends on its best checkpoint (0: no "
+        "evaluation)"})
+    qa_eval_context_words: list[int] = field(default_factory=lambda: [200, 2000], metadata={
+        "help": "MIN MAX words of context per evaluation question (MIN at least 20)"})
 
 
 # `hf-mot train`'s defaults where they differ from `TrainingArguments`' (a translator trains from scratch in a few
@@ -149,6 +157,19 @@ def parse(parser: HfArgumentParser, argv: list[str]):
             <= data_args.retrieval_context_words[1]:
         parser.error("--retrieval-context-words takes MIN MAX (20 <= MIN <= MAX), got "
                      f"{data_args.retrieval_context_words}.")
+    if len(data_args.qa_eval_context_words) != 2 or not 20 <= data_args.qa_eval_context_words[0] \
+            <= data_args.qa_eval_context_words[1]:
+        parser.error("--qa-eval-context-words takes MIN MAX (20 <= MIN <= MAX), got "
+                     f"{data_args.qa_eval_context_words}.")
+    if data_args.qa_eval_examples < 0:
+        parser.error(f"--qa-eval-examples is a number of questions (0: none), got {data_args.qa_eval_examples}.")
+    if data_args.qa_eval_examples and training_args.eval_strategy == "no":
+        parser.error("--qa-eval-examples needs --eval-strategy steps --eval-steps N: when to evaluate (with "
+                     "--save-steps a multiple of N, --load-best-model-at-end --metric-for-best-model qa_f1 keeps "
+                     "the best checkpoint).")
+    if training_args.eval_strategy != "no" and not data_args.qa_eval_examples:
+        parser.error(f"--eval-strategy {training_args.eval_strategy.value} evaluates on held-out QA: add "
+                     "--qa-eval-examples N (48 take about 2 minutes on 2 CPU cores).")
     if not 0 <= data_args.retrieval_fraction <= 1:
         parser.error(f"--retrieval-fraction is a share of the pairs, in [0, 1]; got {data_args.retrieval_fraction}.")
     if training_args.fresh_learning_rate is not None and not model_args.init_from:
@@ -223,9 +244,14 @@ def main(argv: list[str] | None = None) -> MoTTrainer:
     if training_args.dataloader_num_workers:
         # The tokenizers' own threads cannot survive the fork into the workers; the workers are the parallelism.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # One fixed draw, whatever the run's seed: runs are compared on the same questions.
+    eval_dataset = needle_check_examples(
+        data_args.qa_eval_examples, context_words=tuple(data_args.qa_eval_context_words)
+    ) if data_args.qa_eval_examples else None
     trainer = MoTTrainer(
         model=translator, args=training_args, source_model=source, target_model=target,
         train_dataset=train_dataset, data_collator=MoTDataCollator(source_tok, target_tok),
+        eval_dataset=eval_dataset, source_tokenizer=source_tok, target_tokenizer=target_tok,
         fresh_parameters=fresh,
     )
     if trainer.is_world_process_zero():

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
+from ..evaluation.qa import answer, native_cache
+from ..evaluation.tasks import QAExample
+from ..pipeline import translate_context
 from ..plotting import pyplot
 from .losses import LossWeights, context_correction_loss
 
@@ -75,6 +78,8 @@ class TimeBudget(TrainerCallback):
         if time.monotonic() - self.start > self.seconds:
             control.should_training_stop = True
             control.should_save = True
+            # The last checkpoint is a candidate for the best one too.
+            control.should_evaluate = args.eval_strategy != "no"
 
 
 class LossCurveCallback(TrainerCallback):
@@ -103,8 +108,15 @@ def write_loss_curve(log_history: list[dict], output_dir: str) -> str | None:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
-    ax.legend()
+    ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
+    evaluations = [row for row in log_history if "eval_qa_f1" in row and "step" in row]
+    if evaluations:
+        qa = ax.twinx()
+        qa.plot([row["step"] for row in evaluations], [row["eval_qa_f1"] for row in evaluations], "o-",
+                color="black", label="held-out QA F1, translated")
+        qa.set_ylabel("QA F1 (recompute=0)")
+        qa.legend(loc="upper right")
     fig.tight_layout()
     path = os.path.join(output_dir, "loss_curve.png")
     os.makedirs(output_dir, exist_ok=True)
@@ -133,6 +145,12 @@ class MoTTrainer(Trainer):
             to a trained translator; they learn at `args.fresh_learning_rate` when it is set.
         args ([`MoTTrainingArguments`]), and any other `Trainer` argument.
 
+    Evaluation is QA, not a loss: `eval_dataset` is a list of extractive [`QAExample`]s (e.g.
+    `needle_check_examples`), and `evaluate()` answers each from the translated cache at pure translation
+    (recompute=0) and from the target's own reading (once, kept). It logs `eval_qa_f1`, `eval_native_f1` and
+    `eval_qa_retention` (their ratio), so `metric_for_best_model="qa_f1"` with `load_best_model_at_end` keeps the
+    checkpoint that answers best: the losses can stay level while retrieval is lost.
+
     Example:
 
     ```python
@@ -145,11 +163,18 @@ class MoTTrainer(Trainer):
 
     def __init__(
         self, *args, source_model: PreTrainedModel, target_model: PreTrainedModel,
-        fresh_parameters: list[str] | None = None, **kwargs,
+        source_tokenizer=None, target_tokenizer=None, fresh_parameters: list[str] | None = None, **kwargs,
     ):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, MoTTrainingArguments):
             raise TypeError(f"`args` must be `MoTTrainingArguments`, got {type(self.args).__name__}.")
+        if self.eval_dataset is not None:
+            self._check_qa_examples(self.eval_dataset)
+            if source_tokenizer is None or target_tokenizer is None:
+                raise ValueError("QA evaluation (`eval_dataset`) answers with the models' tokenizers: pass "
+                                 "`source_tokenizer` and `target_tokenizer` too.")
+        self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
+        self._native_scores: dict[tuple[str, str], float] = {}
         self.model.check_pair(source_model, target_model)
         capability = torch.backends.cpu.get_cpu_capability()
         if self.args.bf16 and self.args.device.type == "cpu" and capability in SLOW_BF16_CPUS:
@@ -200,6 +225,47 @@ class MoTTrainer(Trainer):
         if self._since is None:
             self._since = time.monotonic()
         return (parts.total, {"loss": parts.total}) if return_outputs else parts.total
+
+    @staticmethod
+    def _check_qa_examples(examples) -> None:
+        if isinstance(examples, dict) or not len(examples) or not all(
+                isinstance(e, QAExample) and e.choices is None for e in examples):
+            raise TypeError("`eval_dataset` must be a non-empty list of extractive `QAExample`s (e.g. "
+                            "`hf_mot.evaluation.tasks.needle_check_examples(48)`): MoTTrainer evaluates by QA.")
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """QA F1 from the translated cache at recompute=0 and from the target's own reading, and their ratio."""
+        examples = self.eval_dataset if eval_dataset is None else eval_dataset
+        if examples is None:
+            raise ValueError("No `eval_dataset`: pass QA examples to evaluate on (`needle_check_examples`).")
+        self._check_qa_examples(examples)
+        models = dict(source_model=self.source_model, source_tokenizer=self.source_tokenizer,
+                      target_model=self.target_model, target_tokenizer=self.target_tokenizer)
+        was_training = self.model.training
+        self.model.eval()
+        translated, native = [], []
+        try:
+            for example in examples:
+                key = (example.context, example.question)
+                if key not in self._native_scores:  # the target and its answers do not change while training
+                    cache, mask = native_cache(self.target_model, self.target_tokenizer, example.context)
+                    self._native_scores[key] = answer(example, self.target_model, self.target_tokenizer, cache,
+                                                      mask)["score"]
+                native.append(self._native_scores[key])
+                cache = translate_context(example.context, translator=self.model, recompute=0.0, **models)
+                translated.append(answer(example, self.target_model, self.target_tokenizer, cache,
+                                         cache.attention_mask)["score"])
+        finally:
+            self.model.train(was_training)
+        metrics = {f"{metric_key_prefix}_qa_f1": sum(translated) / len(translated),
+                   f"{metric_key_prefix}_native_f1": sum(native) / len(native)}
+        # Undefined when the target answers none of them itself (a tiny or random target): then left out.
+        if sum(native):
+            metrics[f"{metric_key_prefix}_qa_retention"] = sum(translated) / sum(native)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._loss_parts and "loss" in logs:
