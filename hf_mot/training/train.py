@@ -169,7 +169,7 @@ def parse(parser: HfArgumentParser, argv: list[str]):
                      "the best checkpoint).")
     if training_args.eval_strategy != "no" and not data_args.qa_eval_examples:
         parser.error(f"--eval-strategy {training_args.eval_strategy.value} evaluates on held-out QA: add "
-                     "--qa-eval-examples N (48 take about 2 minutes on 2 CPU cores).")
+                     "--qa-eval-examples N (48 take about a minute per check on 2 CPU cores).")
     if not 0 <= data_args.retrieval_fraction <= 1:
         parser.error(f"--retrieval-fraction is a share of the pairs, in [0, 1]; got {data_args.retrieval_fraction}.")
     if training_args.fresh_learning_rate is not None and not model_args.init_from:
