@@ -9,6 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
 from ..evaluation.qa import answer, native_cache
@@ -246,7 +247,8 @@ class MoTTrainer(Trainer):
         self.model.eval()
         translated, native = [], []
         try:
-            for example in examples:
+            for example in tqdm(examples, desc="QA check", leave=False,
+                                disable=self.args.disable_tqdm or not self.is_world_process_zero()):
                 key = (example.context, example.question)
                 if key not in self._native_scores:  # the target and its answers do not change while training
                     cache, mask = native_cache(self.target_model, self.target_tokenizer, example.context)
