@@ -151,16 +151,11 @@ def parse(parser: HfArgumentParser, argv: list[str]):
         model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv)
     except ValueError as error:
         parser.error(str(error))
-    if len(data_args.context_words) != 2 or not 0 < data_args.context_words[0] <= data_args.context_words[1]:
-        parser.error(f"--context-words takes MIN MAX (0 < MIN <= MAX), got {data_args.context_words}.")
-    if len(data_args.retrieval_context_words) != 2 or not 20 <= data_args.retrieval_context_words[0] \
-            <= data_args.retrieval_context_words[1]:
-        parser.error("--retrieval-context-words takes MIN MAX (20 <= MIN <= MAX), got "
-                     f"{data_args.retrieval_context_words}.")
-    if len(data_args.qa_eval_context_words) != 2 or not 20 <= data_args.qa_eval_context_words[0] \
-            <= data_args.qa_eval_context_words[1]:
-        parser.error("--qa-eval-context-words takes MIN MAX (20 <= MIN <= MAX), got "
-                     f"{data_args.qa_eval_context_words}.")
+    for option, words, least in (("--context-words", data_args.context_words, 1),
+                                 ("--retrieval-context-words", data_args.retrieval_context_words, 20),
+                                 ("--qa-eval-context-words", data_args.qa_eval_context_words, 20)):
+        if len(words) != 2 or not least <= words[0] <= words[1]:
+            parser.error(f"{option} takes MIN MAX ({least} <= MIN <= MAX), got {words}.")
     if data_args.qa_eval_examples < 0:
         parser.error(f"--qa-eval-examples is a number of questions (0: none), got {data_args.qa_eval_examples}.")
     if data_args.qa_eval_examples and training_args.eval_strategy == "no":
