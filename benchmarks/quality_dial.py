@@ -19,6 +19,11 @@ condition's time to give the target its context (median over contexts, bootstrap
 cache given, and also counting the source's own prefill. Times include tokenizing and aligning; answers are
 greedy and not timed.
 
+Beside retention, `answer found` is the share of questions whose reply contains a gold answer as whole words
+(`hf_mot.evaluation.metrics.answer_found`), native's in brackets: token F1 also counts phrasing ("He works as a
+ferry captain." scores 0.57 against "Ferry captain."), so the two together tell a missed fact from one found and
+put otherwise.
+
 `--compare NAME=PATH` adds other translators at pure translation (r = 0), side by side on the same contexts (the
 source cache and the native answers are shared); one whose dedicated maps read the target's residual stream
 (`hf-mot fit-layers --bottom-layers`) is measured instead at each `--bottom` r that pays for the layers it reads
@@ -84,10 +89,12 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def _answers(questions, target, target_tok, cache, mask) -> list[float]:
+def _answers(questions, target, target_tok, cache, mask) -> dict:
+    """Each question's score and whether its reply contains an answer (`found`, beside F1's exactness)."""
     # Each question gets its own copy: generation extends the cache it is given.
-    return [answer(q, target, target_tok, copy.deepcopy(cache) if len(questions) > 1 else cache, mask)["score"]
-            for q in questions]
+    answers = [answer(q, target, target_tok, copy.deepcopy(cache) if len(questions) > 1 else cache, mask)
+               for q in questions]
+    return {"scores": [a["score"] for a in answers], "found": [a.get("found", a["score"]) for a in answers]}
 
 
 @torch.no_grad()
@@ -98,7 +105,8 @@ def measure(item, budgets, translator, source, source_tok, target, target_tok, c
     tokens = target_enc.input_ids.shape[1]
     row["context_tokens"] = tokens
     (cache, mask), row["native_seconds"] = _timed(lambda: native_cache(target, target_tok, context))
-    row["native"] = _answers(questions, target, target_tok, cache, mask)
+    native = _answers(questions, target, target_tok, cache, mask)
+    row["native"], row["native_found"] = native["scores"], native["found"]
     row["no_context"] = [answer(q, target, target_tok)["score"] for q in questions]
     source_enc = encode_contexts(source_tok, [context])
     source_cache, row["source_seconds"] = _timed(lambda: prefill_source(source, source_enc))
@@ -107,7 +115,7 @@ def measure(item, budgets, translator, source, source_tok, target, target_tok, c
         cache, seconds = _timed(lambda: translate_context(
             context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
             target_tokenizer=target_tok, source_cache=source_cache, recompute=r, strategy=strategy))
-        return {"scores": _answers(questions, target, target_tok, cache, cache.attention_mask), "seconds": seconds,
+        return {**_answers(questions, target, target_tok, cache, cache.attention_mask), "seconds": seconds,
                 "native_tokens": cache.native_tokens}
 
     for name, (other, r, strategy) in (compare or {}).items():
@@ -128,7 +136,7 @@ def measure(item, budgets, translator, source, source_tok, target, target_tok, c
                 return control, torch.ones_like(ids)
 
             (control, control_mask), seconds = _timed(read_tail)
-            row[f"control {r:g}"] = {"scores": _answers(questions, target, target_tok, control, control_mask),
+            row[f"control {r:g}"] = {**_answers(questions, target, target_tok, control, control_mask),
                                      "seconds": seconds}
     return row
 
@@ -162,6 +170,8 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
 
             entry = {"score": statistics.fmean(scores), "retention": retention(range(len(chosen))),
                      "retention_interval": _bootstrap(retention, len(chosen), resamples, 0)}
+            if all(isinstance(r[name], dict) and "found" in r[name] for r in chosen):
+                entry["found"] = statistics.fmean(statistics.fmean(r[name]["found"]) for r in chosen)
             if isinstance(chosen[0][name], dict):
                 for label, extra in (("speedup", "zero"), ("speedup_with_source", "source")):
                     ratios = [r["native_seconds"] / (r[name]["seconds"] + (r["source_seconds"] if extra == "source"
@@ -177,6 +187,8 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
         out[task] = {"contexts": len(chosen), "questions": sum(len(r["native"]) for r in chosen),
                      "context_tokens": statistics.median(r["context_tokens"] for r in chosen),
                      "native_score": statistics.fmean(native),
+                     **({"native_found": statistics.fmean(statistics.fmean(r["native_found"]) for r in chosen)}
+                        if all("native_found" in r for r in chosen) else {}),
                      "native_seconds": statistics.median(r["native_seconds"] for r in chosen),
                      **{name: condition(name) for name in names}}
     return out
@@ -212,10 +224,11 @@ def paired(rows: list[dict], budgets: list[float], compare: tuple[str, ...] = ()
 
 
 def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (), bottom: tuple[float, ...] = ()) -> str:
-    lines = ["| task | contexts | tokens | native score | setting | score | retention [95% CI] | speed-up [95% CI] "
-             "| with source prefill |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | contexts | tokens | native score | setting | score | retention [95% CI] | answer found "
+             "(native) | speed-up [95% CI] | with source prefill |", "|---|---|---|---|---|---|---|---|---|---|"]
     for task, s in summary.items():
         head = f"| {task} | {s['contexts']} | {s['context_tokens']:.0f} | {s['native_score']:.3f} "
+        native_found = f" ({100 * s['native_found']:.0f}%)" if "native_found" in s else ""
         settings = [f"{kind}{r:g}" for r in budgets for kind in ("recompute=", "control ")]
         settings += [f"bottom {r:g}" for r in bottom]
         for name in ["no_context", *compare, *settings]:
@@ -225,8 +238,9 @@ def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (), bo
             low, high = e["retention_interval"]
             speed = (f"{e['speedup']:.1f}x [{e['speedup_interval'][0]:.1f}, {e['speedup_interval'][1]:.1f}] | "
                      f"{e['speedup_with_source']:.1f}x" if "speedup" in e else "- | -")
+            found = f"{100 * e['found']:.0f}%{native_found}" if "found" in e else "-"
             lines.append(f"{head}| {name} | {e['score']:.3f} | {100 * e['retention']:.0f}% [{100 * low:.0f}, "
-                         f"{100 * high:.0f}] | {speed} |")
+                         f"{100 * high:.0f}] | {found} | {speed} |")
     return "\n".join(lines)
 
 

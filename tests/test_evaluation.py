@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import char_tokenizer, identity_translator, tiny_model
 
-from hf_mot.evaluation.metrics import choice_correct, exact_match, normalize_answer, token_f1
+from hf_mot.evaluation.metrics import answer_found, choice_correct, exact_match, normalize_answer, token_f1
 from hf_mot.evaluation.report import machine_info, markdown_report, run_evaluation, write_report
 from hf_mot.evaluation.tasks import (
     boolq_examples,
@@ -39,6 +39,21 @@ def test_normalize_and_exact_match():
 )
 def test_token_f1(prediction, answers, f1):
     assert token_f1(prediction, answers) == pytest.approx(f1)
+
+
+@pytest.mark.parametrize(
+    "prediction, answers, found",
+    [
+        ("He works as a ferry captain.", ["ferry captain"], 1.0),  # F1 0.57: the fact, phrased otherwise
+        ("Ferry", ["ferry captain"], 0.0),  # part of the answer is not the answer
+        ("She retired in 2012.", ["12"], 0.0),  # whole words: "12" is not in "2012"
+        ("In 1912, in Paris", ["Lyon", "1912"], 1.0),  # any of the answers
+        ("The Eiffel-Tower", ["Eiffel Tower"], 0.0),  # normalised as F1 normalises: "eiffeltower"
+        ("nothing", [""], 0.0),  # an empty answer is found nowhere
+    ],
+)
+def test_answer_found(prediction, answers, found):
+    assert answer_found(prediction, answers) == found
 
 
 def test_choice_correct():
@@ -137,3 +152,24 @@ def test_quality_dial_pairs_settings_over_the_same_contexts():
     assert out["recompute=0.2 - recompute=0"]["difference"] == pytest.approx(0.2)
     other = out["recompute=0 - other"]
     assert other["difference"] == pytest.approx(-0.1) and (other["higher"], other["lower"]) == (4, 5)
+
+
+def test_quality_dial_reports_answers_found_per_context():
+    """`answer found` averages each context's share of replies containing an answer, as retention averages scores:
+    a document of eight questions counts once, not eight times."""
+    path = Path(__file__).parents[1] / "benchmarks" / "quality_dial.py"
+    spec = importlib.util.spec_from_file_location("quality_dial", path)
+    dial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dial)
+    rows = [{"task": "reuse", "native": [1.0] * 8, "native_found": [1.0] * 8, "no_context": [0.0] * 8,
+             "recompute=0": {"scores": [0.5] * 8, "found": [1.0] * 8, "seconds": 1.0}},
+            {"task": "needle", "native": [1.0], "native_found": [0.0], "no_context": [0.0],
+             "recompute=0": {"scores": [0.0], "found": [0.0], "seconds": 1.0}}]
+    for row in rows:
+        row.update(context_tokens=100, native_seconds=2.0, source_seconds=1.0)
+    summary = dial.summarize(rows, [0], resamples=20)
+    assert summary["all"]["recompute=0"]["found"] == pytest.approx(0.5)
+    assert summary["all"]["native_found"] == pytest.approx(0.5)
+    assert "found" not in summary["all"]["no_context"]
+    line = next(x for x in dial.table(summary, [0]).splitlines() if x.startswith("| all |") and "recompute=0" in x)
+    assert "| 50% (50%) |" in line

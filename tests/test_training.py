@@ -514,6 +514,8 @@ def test_evaluate_answers_from_the_translated_cache_at_recompute_zero(smollm2, g
     assert metrics["eval_native_f1"] == pytest.approx(expected["native"]["score"])
     assert expected["native"]["score"] > 0
     assert metrics["eval_qa_retention"] == pytest.approx(expected["r0"]["retention"])
+    assert metrics["eval_qa_found"] == pytest.approx(expected["r0"]["found"])
+    assert metrics["eval_native_found"] == pytest.approx(expected["native"]["found"])
     assert trainer.evaluate() == metrics
     assert [row["step"] for row in trainer.state.log_history if "eval_qa_f1" in row] == [0, 0]
 

@@ -1,4 +1,5 @@
-"""Scores of the QA tasks: SQuAD-style normalised exact match and token F1, and closed-set choice accuracy."""
+"""Scores of the QA tasks: SQuAD-style normalised exact match and token F1, whether the reply contains an answer,
+and closed-set choice accuracy."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def token_f1(prediction: str, answers: list[str]) -> float:
         precision, recall = common / len(predicted), common / len(gold)
         best = max(best, 2 * precision * recall / (precision + recall))
     return best
+
+
+def answer_found(prediction: str, answers: list[str]) -> float:
+    """1.0 if a normalised answer appears in the normalised prediction as whole words.
+
+    Lenient where token F1 is strict: "He works as a ferry captain." finds "ferry captain" (F1 0.57). Beside F1 it
+    tells a reply that retrieved the fact but phrased it otherwise from one that missed it (the accuracy of
+    Liu et al., "Lost in the Middle", 2023).
+    """
+    predicted = f" {normalize_answer(prediction)} "
+    return float(any(gold and f" {gold} " in predicted for gold in map(normalize_answer, answers)))
 
 
 def choice_correct(log_probs: list[float], label: int) -> float:

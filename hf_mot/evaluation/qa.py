@@ -22,7 +22,7 @@ from ..modeling_mot import MoTTranslator
 from ..pipeline import prefill_source, read_into_cache, translate_context
 from ..target_adapter import reading_translated
 from .injection import translate_with_window
-from .metrics import choice_correct, exact_match, token_f1
+from .metrics import answer_found, choice_correct, exact_match, token_f1
 from .tasks import QAExample
 
 
@@ -45,7 +45,8 @@ def answer(
     """The target's answer to `example` after the context in `cache` (no context when `cache` is None).
 
     Closed-set examples: the log-probabilities of each choice's first token and whether the best is right.
-    Extractive ones: the greedy answer up to the first newline, its F1 and exact match.
+    Extractive ones: the greedy answer up to the first newline, its F1, exact match and whether it contains an
+    answer (`found`).
     """
     prompt = target_tokenizer(example.prompt, add_special_tokens=False, return_tensors="pt").input_ids
     if cache is None:
@@ -67,7 +68,7 @@ def answer(
                                     do_sample=False, **kwargs)
     text = target_tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True).split("\n")[0].strip()
     return {"prediction": text, "score": token_f1(text, example.answers),
-            "exact_match": exact_match(text, example.answers)}
+            "exact_match": exact_match(text, example.answers), "found": answer_found(text, example.answers)}
 
 
 def _choice_log_prob(model, tokenizer, prompt, mask, cache, choice: str) -> float:
@@ -166,8 +167,9 @@ def summarize_qa(rows: list[dict], conditions: list[str]) -> dict:
     for name in ["no_context", "native", *conditions]:
         scores = [r[name]["score"] for r in rows]
         entry = {"score": sum(scores) / len(scores)}
-        if "exact_match" in rows[0][name]:
-            entry["exact_match"] = sum(r[name]["exact_match"] for r in rows) / len(rows)
+        for metric in ("exact_match", "found"):
+            if metric in rows[0][name]:
+                entry[metric] = sum(r[name][metric] for r in rows) / len(rows)
         if "context_seconds" in rows[0][name]:
             entry["context_seconds"] = statistics.median(r[name]["context_seconds"] for r in rows)
         out[name] = entry

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -236,7 +237,8 @@ class MoTTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """QA F1 from the translated cache at recompute=0 and from the target's own reading, and their ratio."""
+        """QA F1 from the translated cache at recompute=0 and from the target's own reading, and their ratio; and
+        the share of each's replies that contain an answer (`qa_found`, `native_found`: F1 also counts phrasing)."""
         examples = self.eval_dataset if eval_dataset is None else eval_dataset
         if examples is None:
             raise ValueError("No `eval_dataset`: pass QA examples to evaluate on (`needle_check_examples`).")
@@ -245,26 +247,28 @@ class MoTTrainer(Trainer):
                       target_model=self.target_model, target_tokenizer=self.target_tokenizer)
         was_training = self.model.training
         self.model.eval()
-        translated, native = [], []
+        translated, native = [], []  # (F1, found) per question
         try:
             for example in tqdm(examples, desc="QA check", leave=False,
                                 disable=self.args.disable_tqdm or not self.is_world_process_zero()):
                 key = (example.context, example.question)
                 if key not in self._native_scores:  # the target and its answers do not change while training
                     cache, mask = native_cache(self.target_model, self.target_tokenizer, example.context)
-                    self._native_scores[key] = answer(example, self.target_model, self.target_tokenizer, cache,
-                                                      mask)["score"]
+                    reply = answer(example, self.target_model, self.target_tokenizer, cache, mask)
+                    self._native_scores[key] = (reply["score"], reply["found"])
                 native.append(self._native_scores[key])
                 cache = translate_context(example.context, translator=self.model, recompute=0.0, **models)
-                translated.append(answer(example, self.target_model, self.target_tokenizer, cache,
-                                         cache.attention_mask)["score"])
+                reply = answer(example, self.target_model, self.target_tokenizer, cache, cache.attention_mask)
+                translated.append((reply["score"], reply["found"]))
         finally:
             self.model.train(was_training)
-        metrics = {f"{metric_key_prefix}_qa_f1": sum(translated) / len(translated),
-                   f"{metric_key_prefix}_native_f1": sum(native) / len(native)}
+        f1, found = (statistics.fmean(column) for column in zip(*translated, strict=True))
+        native_f1, native_found = (statistics.fmean(column) for column in zip(*native, strict=True))
+        metrics = {f"{metric_key_prefix}_qa_f1": f1, f"{metric_key_prefix}_native_f1": native_f1,
+                   f"{metric_key_prefix}_qa_found": found, f"{metric_key_prefix}_native_found": native_found}
         # Undefined when the target answers none of them itself (a tiny or random target): then left out.
-        if sum(native):
-            metrics[f"{metric_key_prefix}_qa_retention"] = sum(translated) / sum(native)
+        if native_f1:
+            metrics[f"{metric_key_prefix}_qa_retention"] = f1 / native_f1
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
