@@ -94,6 +94,7 @@ def _answers(questions, target, target_tok, cache, mask) -> dict:
     # Each question gets its own copy: generation extends the cache it is given.
     answers = [answer(q, target, target_tok, copy.deepcopy(cache) if len(questions) > 1 else cache, mask)
                for q in questions]
+    # A closed-set answer is found when the right choice wins: its score.
     return {"scores": [a["score"] for a in answers], "found": [a.get("found", a["score"]) for a in answers]}
 
 
