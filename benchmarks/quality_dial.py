@@ -94,8 +94,7 @@ def _answers(questions, target, target_tok, cache, mask) -> dict:
     # Each question gets its own copy: generation extends the cache it is given.
     answers = [answer(q, target, target_tok, copy.deepcopy(cache) if len(questions) > 1 else cache, mask)
                for q in questions]
-    # A closed-set answer is found when the right choice wins: its score.
-    return {"scores": [a["score"] for a in answers], "found": [a.get("found", a["score"]) for a in answers]}
+    return {"scores": [a["score"] for a in answers], "found": [a["found"] for a in answers]}
 
 
 @torch.no_grad()
@@ -171,9 +170,8 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
 
             entry = {"score": statistics.fmean(scores), "retention": retention(range(len(chosen))),
                      "retention_interval": _bootstrap(retention, len(chosen), resamples, 0)}
-            if all(isinstance(r[name], dict) and "found" in r[name] for r in chosen):
-                entry["found"] = statistics.fmean(statistics.fmean(r[name]["found"]) for r in chosen)
             if isinstance(chosen[0][name], dict):
+                entry["found"] = statistics.fmean(statistics.fmean(r[name]["found"]) for r in chosen)
                 for label, extra in (("speedup", "zero"), ("speedup_with_source", "source")):
                     ratios = [r["native_seconds"] / (r[name]["seconds"] + (r["source_seconds"] if extra == "source"
                                                                             else 0.0)) for r in chosen]
@@ -188,8 +186,7 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
         out[task] = {"contexts": len(chosen), "questions": sum(len(r["native"]) for r in chosen),
                      "context_tokens": statistics.median(r["context_tokens"] for r in chosen),
                      "native_score": statistics.fmean(native),
-                     **({"native_found": statistics.fmean(statistics.fmean(r["native_found"]) for r in chosen)}
-                        if all("native_found" in r for r in chosen) else {}),
+                     "native_found": statistics.fmean(statistics.fmean(r["native_found"]) for r in chosen),
                      "native_seconds": statistics.median(r["native_seconds"] for r in chosen),
                      **{name: condition(name) for name in names}}
     return out
@@ -229,7 +226,7 @@ def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (), bo
              "(native) | speed-up [95% CI] | with source prefill |", "|---|---|---|---|---|---|---|---|---|---|"]
     for task, s in summary.items():
         head = f"| {task} | {s['contexts']} | {s['context_tokens']:.0f} | {s['native_score']:.3f} "
-        native_found = f" ({100 * s['native_found']:.0f}%)" if "native_found" in s else ""
+        native_found = f"({100 * s['native_found']:.0f}%)"
         settings = [f"{kind}{r:g}" for r in budgets for kind in ("recompute=", "control ")]
         settings += [f"bottom {r:g}" for r in bottom]
         for name in ["no_context", *compare, *settings]:
@@ -239,7 +236,7 @@ def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (), bo
             low, high = e["retention_interval"]
             speed = (f"{e['speedup']:.1f}x [{e['speedup_interval'][0]:.1f}, {e['speedup_interval'][1]:.1f}] | "
                      f"{e['speedup_with_source']:.1f}x" if "speedup" in e else "- | -")
-            found = f"{100 * e['found']:.0f}%{native_found}" if "found" in e else "-"
+            found = f"{100 * e['found']:.0f}% {native_found}" if "found" in e else "-"
             lines.append(f"{head}| {name} | {e['score']:.3f} | {100 * e['retention']:.0f}% [{100 * low:.0f}, "
                          f"{100 * high:.0f}] | {found} | {speed} |")
     return "\n".join(lines)

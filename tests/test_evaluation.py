@@ -134,11 +134,17 @@ def test_report_json_names_the_machine_and_is_never_half_written(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["report.json"]
 
 
-def test_quality_dial_pairs_settings_over_the_same_contexts():
+def _quality_dial():
+    """benchmarks/quality_dial.py as a module (benchmarks/ is not a package)."""
     path = Path(__file__).parents[1] / "benchmarks" / "quality_dial.py"
     spec = importlib.util.spec_from_file_location("quality_dial", path)
     dial = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dial)
+    return dial
+
+
+def test_quality_dial_pairs_settings_over_the_same_contexts():
+    dial = _quality_dial()
     # Ten contexts of one question: the dial point answers the first six, its control the first two, pure
     # translation the first four and a compared translator the last five.
     rows = [{"task": "needle" if i < 5 else "synthetic", "native": [1.0], "no_context": [0.0],
@@ -157,10 +163,7 @@ def test_quality_dial_pairs_settings_over_the_same_contexts():
 def test_quality_dial_reports_answers_found_per_context():
     """`answer found` averages each context's share of replies containing an answer, as retention averages scores:
     a document of eight questions counts once, not eight times."""
-    path = Path(__file__).parents[1] / "benchmarks" / "quality_dial.py"
-    spec = importlib.util.spec_from_file_location("quality_dial", path)
-    dial = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dial)
+    dial = _quality_dial()
     rows = [{"task": "reuse", "native": [1.0] * 8, "native_found": [1.0] * 8, "no_context": [0.0] * 8,
              "recompute=0": {"scores": [0.5] * 8, "found": [1.0] * 8, "seconds": 1.0}},
             {"task": "needle", "native": [1.0], "native_found": [0.0], "no_context": [0.0],

@@ -44,9 +44,9 @@ def answer(
 ) -> dict:
     """The target's answer to `example` after the context in `cache` (no context when `cache` is None).
 
-    Closed-set examples: the log-probabilities of each choice's first token and whether the best is right.
-    Extractive ones: the greedy answer up to the first newline, its F1, exact match and whether it contains an
-    answer (`found`).
+    Closed-set examples: the log-probabilities of each choice's first token and whether the best is right (as
+    `score` and `found`). Extractive ones: the greedy answer up to the first newline, its F1, exact match and
+    whether it contains an answer (`found`).
     """
     prompt = target_tokenizer(example.prompt, add_special_tokens=False, return_tensors="pt").input_ids
     if cache is None:
@@ -62,7 +62,8 @@ def answer(
             log_probs = [_choice_log_prob(target_model, target_tokenizer, prompt, mask, cache, choice)
                          for choice in example.choices]
         label = example.choices.index(example.answers[0])
-        return {"log_probs": log_probs, "score": choice_correct(log_probs, label)}
+        correct = choice_correct(log_probs, label)
+        return {"log_probs": log_probs, "score": correct, "found": correct}
     with reading_translated(cache, target_model):
         out = target_model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=max_new_tokens,
                                     do_sample=False, **kwargs)
