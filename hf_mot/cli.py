@@ -227,7 +227,8 @@ def _fit_layers(args: argparse.Namespace) -> None:
     # Keys are normalised where the target normalises its own (Gemma 3, Qwen 3), never elsewhere.
     normalize = key_norm(target, layers[0]) is not None
     translator = with_dedicated_layers(translator, layers, source_layers, key_norm=normalize,
-                                       bottom_layers=args.bottom_layers, target_config=target.config)
+                                       bottom_layers=args.bottom_layers, target_config=target.config,
+                                       previous_tokens=args.previous_tokens)
     report = fit_dedicated_layers(
         translator, source, source_tok, target, target_tok, pairs=args.pairs, validation_pairs=args.validation_pairs,
         context_words=tuple(args.context_words), ridge=args.ridge, epochs=args.epochs,
@@ -410,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "embeddings; the translator then works with translate_context(..., strategy='bottom'), "
                           "the target reading its layers 0..K-1 itself, and recommends the recompute that costs "
                           "(default: none; for Gemma 3, 5: its first full-attention layer)")
+    fit.add_argument("--previous-tokens", type=int, default=0, metavar="N",
+                     help="the maps also read the target's embeddings of the N tokens before each token, which "
+                          "keys that a repeat of the text before them finds carry (default 0; not with "
+                          "--bottom-layers)")
     fit.add_argument("--seed", type=int, default=0)
     fit.set_defaults(func=_fit_layers)
 

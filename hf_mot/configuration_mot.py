@@ -89,6 +89,12 @@ class MoTConfig(PretrainedConfig):
             caches its own keys and values there and in this layer), so every dedicated layer must lie above it.
             What the target's bottom layers gathered from the context is what its full-attention layers above
             retrieve with; the embedding of a token alone does not carry it.
+        dedicated_previous_tokens (`int`, *optional*, defaults to 0): the dedicated maps also read the target's
+            embeddings of this many tokens before each token. A key that a later copy of the text before it must
+            find (the name before a fact, found again by the question's name) carries that earlier token, which
+            the target's own bottom layers put there and a map of one token's source states reaches only through
+            the other model's vocabulary. Needs `target_embedding_size`, and not `dedicated_bottom_layers`, whose
+            residual stream carries the tokens before already.
         target_adapter (`str`, *optional*): the subfolder of the translator's folder or repo that holds a PEFT LoRA
             adapter for the target's query projections in the dedicated layers, trained with their maps
             (`hf-mot fit-layers --target-lora-rank`). It is active only while the target reads a translated cache
@@ -129,6 +135,7 @@ class MoTConfig(PretrainedConfig):
     dedicated_source_layers: list[int] | None = None
     dedicated_key_norm: bool = False
     dedicated_bottom_layers: int | None = None
+    dedicated_previous_tokens: int = 0
     target_adapter: str | None = None
     recompute: float = 0.0
 
@@ -179,9 +186,10 @@ class MoTConfig(PretrainedConfig):
 
     def _check_dedicated_layers(self) -> None:
         if not self.dedicated_layers:
-            if self.dedicated_source_layers or self.dedicated_key_norm or self.dedicated_bottom_layers is not None:
-                raise ValueError("`dedicated_source_layers`, `dedicated_key_norm` and `dedicated_bottom_layers` need "
-                                 "`dedicated_layers`.")
+            if (self.dedicated_source_layers or self.dedicated_key_norm or self.dedicated_bottom_layers is not None
+                    or self.dedicated_previous_tokens):
+                raise ValueError("`dedicated_source_layers`, `dedicated_key_norm`, `dedicated_bottom_layers` and "
+                                 "`dedicated_previous_tokens` need `dedicated_layers`.")
             return
         if self.architecture != "mixture":
             raise ValueError("`dedicated_layers` needs `architecture='mixture'`.")
@@ -194,6 +202,15 @@ class MoTConfig(PretrainedConfig):
                 raise ValueError(f"`{name}` must be layer indices in [0, {count}), got {layers!r}.")
             if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
                 raise ValueError(f"`{name}` must be increasing, without repeats, got {layers!r}.")
+        previous = self.dedicated_previous_tokens
+        if isinstance(previous, bool) or not isinstance(previous, int) or previous < 0:
+            raise ValueError(f"`dedicated_previous_tokens` must be a whole number >= 0, got {previous!r}.")
+        if previous and (self.target_embedding_size is None or self.dedicated_bottom_layers is not None):
+            raise ValueError(
+                "`dedicated_previous_tokens` needs maps that read the target's token embeddings: "
+                "`target_embedding_size` set and no `dedicated_bottom_layers` (whose residual stream carries the "
+                "tokens before already)."
+            )
         bottom = self.dedicated_bottom_layers
         if bottom is None:
             return

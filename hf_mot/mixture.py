@@ -110,20 +110,22 @@ class DedicatedLayerPath(nn.Module):
 
     Retrieval over long contexts lives in a few layers (Gemma 3's full-attention layers), and the shared
     representation does not carry them well enough; a map per layer from many source layers can, and can be fitted
-    in closed form (`hf_mot.training.layer_fit`). It starts at zero, so adding it to a trained translator starts
-    from exactly that translator; its parameters sit on the module itself, for the same reason as
-    [`DepthMatchedPath`].
+    in closed form (`hf_mot.training.layer_fit`). With `previous_tokens`, it also reads the target's embeddings of
+    that many tokens before each token (`MoTConfig.dedicated_previous_tokens`). It starts at zero, so adding it to a
+    trained translator starts from exactly that translator; its parameters sit on the module itself, for the same
+    reason as [`DepthMatchedPath`].
     """
 
     def __init__(
         self, target_layers: list[int], source_layers: list[int], source: KVLayout, target: KVLayout,
-        embedding_size: int | None, reads_residual: bool = False,
+        embedding_size: int | None, reads_residual: bool = False, previous_tokens: int = 0,
     ):
         super().__init__()
         self.reads_residual = reads_residual
+        self.previous_tokens = previous_tokens
         self.target_layers = list(target_layers)
         self.source_layers = list(source_layers)
-        self.in_features = len(source_layers) * source.feature_size + (embedding_size or 0)
+        self.in_features = len(source_layers) * source.feature_size + (embedding_size or 0) * (1 + previous_tokens)
         self.weight = nn.Parameter(torch.empty(len(target_layers), self.in_features, target.feature_size))
         self.bias = nn.Parameter(torch.empty(len(target_layers), target.feature_size))
 
@@ -142,11 +144,20 @@ class DedicatedLayerPath(nn.Module):
         aligned = alignment.apply(picked, last_tokens)
         if embeddings is None:
             return aligned
-        states = cast(embeddings[:, -aligned.shape[1]:], aligned.dtype)
+        tokens = aligned.shape[1]
+        states = cast(embeddings[:, -tokens:], aligned.dtype)
         if self.reads_residual:
             # The residual stream's scale grows with depth and varies by token; the maps read its direction.
             states = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return torch.cat([aligned, states], dim=-1)
+        if not self.previous_tokens:
+            return torch.cat([aligned, states], dim=-1)
+        # Zeros before a row's first token, padding included (padding rows of the alignment weigh nothing), so a
+        # left-padded row reads what it would alone.
+        real = (alignment.weight.sum(-1, keepdim=True) > 0).to(aligned.device, aligned.dtype)
+        padded = F.pad(cast(embeddings, aligned.dtype) * real, (0, 0, self.previous_tokens, 0))
+        total = padded.shape[1]
+        before = [padded[:, total - tokens - shift:total - shift] for shift in range(1, self.previous_tokens + 1)]
+        return torch.cat([aligned, states, *before], dim=-1)
 
     def forward(self, inputs: torch.Tensor, which: list[int]) -> torch.Tensor:
         """The contribution to `self.target_layers[i] for i in which`: `(batch, tokens, len(which), features)`."""
@@ -221,7 +232,8 @@ class KVMixture(nn.Module):
         if config.dedicated_layers:
             self.dedicated = DedicatedLayerPath(config.dedicated_layers, config.dedicated_source_layers, source,
                                                 target, config.target_embedding_size,
-                                                reads_residual=config.dedicated_bottom_layers is not None)
+                                                reads_residual=config.dedicated_bottom_layers is not None,
+                                                previous_tokens=config.dedicated_previous_tokens)
         self.normalized_layers = set(config.dedicated_layers or ()) if keys and config.dedicated_key_norm else set()
         self.head_dim = target.head_dim
 

@@ -48,6 +48,8 @@ def render_model_card(
             f", maps of their own for target layers {config.dedicated_layers} reading source layers "
             f"{config.dedicated_source_layers}" + (" (keys RMS-normalised)" if config.dedicated_key_norm else "")
         )
+        if config.dedicated_previous_tokens:
+            paths += f" and the target's embeddings of the {config.dedicated_previous_tokens} tokens before each token"
     if config.target_adapter:
         paths += (
             f", and a LoRA on the target's query projections of those layers ({config.target_adapter}/, a PEFT "

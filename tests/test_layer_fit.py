@@ -191,3 +191,59 @@ def test_fit_of_maps_that_read_the_residual_stream():
                                   context_words=(20, 40), epochs=3, learning_rate=1e-3, progress=False)
     loss = {stage: report[stage]["kl"][0] + report[stage]["output_error"][0] for stage in ("without", "distilled")}
     assert loss["distilled"] < 0.9 * loss["without"]
+
+
+def test_maps_that_read_the_tokens_before(tmp_path):
+    """With `previous_tokens`, the maps also read the target's embeddings of the tokens before each one (zeros before
+    the first); a left-padded row reads what it reads alone, even where the pad token's embedding is not zero; and
+    the setting survives saving."""
+    from hf_mot.alignment import encode_contexts
+
+    source, target, translator, char, bpe = _pair_translator()
+    with torch.no_grad():
+        target.get_input_embeddings().weight[bpe.pad_token_id].normal_()
+    translator = with_dedicated_layers(translator, FULL, [0, 1], key_norm=True, previous_tokens=2)
+    with torch.no_grad():
+        for path in (translator.key_mixture.dedicated, translator.value_mixture.dedicated):
+            path.weight.normal_(std=0.05)
+    width = target.config.hidden_size
+    source_features = translator.config.source_layout.feature_size
+    assert translator.key_mixture.dedicated.in_features == 2 * source_features + 3 * width  # two source layers
+
+    record = record_pair(translator, source, char, target, bpe, CONTEXTS[1], "\n\nQuestion: who?\nAnswer: the cat")
+    with torch.no_grad():
+        embedded = target.get_input_embeddings()(encode_contexts(bpe, [CONTEXTS[1]]).input_ids)[0]
+    for shift in (1, 2):
+        before = torch.cat([embedded.new_zeros(shift, width), embedded[:-shift]])
+        start = record.key_inputs.shape[1] - (3 - shift) * width
+        torch.testing.assert_close(record.key_inputs[:, start:start + width].float(), before, atol=5e-3, rtol=5e-3)
+
+    models = dict(source_model=source, source_tokenizer=char, target_model=target, target_tokenizer=bpe)
+    contexts = [CONTEXTS[0], "Short."]
+    batched = translate_context(contexts, translator=translator, **models)
+    alone = translate_context(contexts[1], translator=translator, **models)
+    tokens = alone.num_context_tokens
+    for layer in range(len(alone.layers)):
+        torch.testing.assert_close(batched.layers[layer].keys[1:, :, -tokens:], alone.layers[layer].keys,
+                                   atol=1e-5, rtol=1e-4)
+
+    translator.save_pretrained(tmp_path)
+    loaded = MoTTranslator.from_pretrained(tmp_path)
+    assert loaded.config.dedicated_previous_tokens == 2
+    again = translate_context(contexts[1], translator=loaded, **models)
+    torch.testing.assert_close(again.layers[FULL[0]].keys, alone.layers[FULL[0]].keys)
+
+
+def test_config_refuses_previous_tokens_without_token_embeddings():
+    config, target = tiny_model("llama").config, tiny_model("gemma3-deep").config
+    with pytest.raises(ValueError, match="need `dedicated_layers`"):
+        MoTConfig.from_models(config, target, dedicated_previous_tokens=1)
+    with pytest.raises(ValueError, match="whole number >= 0"):
+        MoTConfig.from_models(config, target, dedicated_layers=[3], dedicated_source_layers=[0],
+                              dedicated_previous_tokens=-1)
+    with pytest.raises(ValueError, match="read the target's token embeddings"):
+        MoTConfig.from_models(config, target, target_tokens=False, dedicated_layers=[3], dedicated_source_layers=[0],
+                              dedicated_previous_tokens=1)
+    with pytest.raises(ValueError, match="read the target's token embeddings"):
+        MoTConfig.from_models(config, target, dedicated_layers=[3], dedicated_source_layers=[0],
+                              dedicated_bottom_layers=2, dedicated_previous_tokens=1)

@@ -405,14 +405,15 @@ def default_source_layers(num_layers: int, count: int = 10) -> list[int]:
 
 def with_dedicated_layers(
     translator: MoTTranslator, layers: list[int], source_layers: list[int], key_norm: bool,
-    bottom_layers: int | None = None, target_config=None,
+    bottom_layers: int | None = None, target_config=None, previous_tokens: int = 0,
 ) -> MoTTranslator:
     """A copy of `translator` with (zero) dedicated maps for `layers`, reading `source_layers`: it translates exactly
     as `translator` does until they are fitted (apart from key normalisation, with `key_norm`).
 
     With `bottom_layers`, the maps read the target's residual stream entering that layer in place of its token
     embeddings (`MoTConfig.dedicated_bottom_layers`), and the copy's recommended `recompute` becomes what reading the
-    layers below costs (`target_config`, the target model's config, prices it)."""
+    layers below costs (`target_config`, the target model's config, prices it). With `previous_tokens`, the maps also
+    read the target's embeddings of that many tokens before each token (`MoTConfig.dedicated_previous_tokens`)."""
     if translator.config.architecture != "mixture":
         raise ValueError("Dedicated layers need a mixture translator (`architecture='mixture'`).")
     if translator.config.dedicated_layers:
@@ -424,6 +425,7 @@ def with_dedicated_layers(
     config.dedicated_layers, config.dedicated_source_layers = list(layers), list(source_layers)
     config.dedicated_key_norm = key_norm
     config.dedicated_bottom_layers = bottom_layers
+    config.dedicated_previous_tokens = previous_tokens
     config._check_dedicated_layers()
     if bottom_layers is not None:
         if target_config is None:
