@@ -228,7 +228,8 @@ def _fit_layers(args: argparse.Namespace) -> None:
     normalize = key_norm(target, layers[0]) is not None
     translator = with_dedicated_layers(translator, layers, source_layers, key_norm=normalize,
                                        bottom_layers=args.bottom_layers, target_config=target.config,
-                                       previous_tokens=args.previous_tokens)
+                                       previous_tokens=args.previous_tokens,
+                                       previous_tokens_keys_only=args.previous_tokens_keys_only)
     report = fit_dedicated_layers(
         translator, source, source_tok, target, target_tok, pairs=args.pairs, validation_pairs=args.validation_pairs,
         context_words=tuple(args.context_words), ridge=args.ridge, epochs=args.epochs,
@@ -415,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the maps also read the target's embeddings of the N tokens before each token, which "
                           "keys that a repeat of the text before them finds carry (default 0; not with "
                           "--bottom-layers)")
+    fit.add_argument("--previous-tokens-keys-only", action="store_true",
+                     help="only the key maps read the tokens before (--previous-tokens); retrieval finds facts "
+                          "through the keys, and the value maps stay as small as without them")
     fit.add_argument("--seed", type=int, default=0)
     fit.set_defaults(func=_fit_layers)
 

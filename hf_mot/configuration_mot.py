@@ -95,6 +95,9 @@ class MoTConfig(PretrainedConfig):
             the target's own bottom layers put there and a map of one token's source states reaches only through
             the other model's vocabulary. Needs `target_embedding_size`, and not `dedicated_bottom_layers`, whose
             residual stream carries the tokens before already.
+        dedicated_previous_tokens_keys_only (`bool`, *optional*, defaults to `False`): only the key maps read the
+            tokens before; the value maps read each token alone. Retrieval finds a fact through the keys, and it is
+            the keys that carry the token before; the values cost as many inputs again for little.
         target_adapter (`str`, *optional*): the subfolder of the translator's folder or repo that holds a PEFT LoRA
             adapter for the target's query projections in the dedicated layers, trained with their maps
             (`hf-mot fit-layers --target-lora-rank`). It is active only while the target reads a translated cache
@@ -136,6 +139,7 @@ class MoTConfig(PretrainedConfig):
     dedicated_key_norm: bool = False
     dedicated_bottom_layers: int | None = None
     dedicated_previous_tokens: int = 0
+    dedicated_previous_tokens_keys_only: bool = False
     target_adapter: str | None = None
     recompute: float = 0.0
 
@@ -187,9 +191,9 @@ class MoTConfig(PretrainedConfig):
     def _check_dedicated_layers(self) -> None:
         if not self.dedicated_layers:
             if (self.dedicated_source_layers or self.dedicated_key_norm or self.dedicated_bottom_layers is not None
-                    or self.dedicated_previous_tokens):
+                    or self.dedicated_previous_tokens or self.dedicated_previous_tokens_keys_only):
                 raise ValueError("`dedicated_source_layers`, `dedicated_key_norm`, `dedicated_bottom_layers` and "
-                                 "`dedicated_previous_tokens` need `dedicated_layers`.")
+                                 "`dedicated_previous_tokens(_keys_only)` need `dedicated_layers`.")
             return
         if self.architecture != "mixture":
             raise ValueError("`dedicated_layers` needs `architecture='mixture'`.")
@@ -205,6 +209,8 @@ class MoTConfig(PretrainedConfig):
         previous = self.dedicated_previous_tokens
         if isinstance(previous, bool) or not isinstance(previous, int) or previous < 0:
             raise ValueError(f"`dedicated_previous_tokens` must be a whole number >= 0, got {previous!r}.")
+        if self.dedicated_previous_tokens_keys_only and not previous:
+            raise ValueError("`dedicated_previous_tokens_keys_only` needs `dedicated_previous_tokens` >= 1.")
         if previous and (self.target_embedding_size is None or self.dedicated_bottom_layers is not None):
             raise ValueError(
                 "`dedicated_previous_tokens` needs maps that read the target's token embeddings: "

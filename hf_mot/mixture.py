@@ -230,10 +230,13 @@ class KVMixture(nn.Module):
             self.depth_matched = DepthMatchedPath(config.depth_matched_layers, source, target)
         self.dedicated = None
         if config.dedicated_layers:
+            previous = config.dedicated_previous_tokens
+            if config.dedicated_previous_tokens_keys_only and not keys:
+                previous = 0
             self.dedicated = DedicatedLayerPath(config.dedicated_layers, config.dedicated_source_layers, source,
                                                 target, config.target_embedding_size,
                                                 reads_residual=config.dedicated_bottom_layers is not None,
-                                                previous_tokens=config.dedicated_previous_tokens)
+                                                previous_tokens=previous)
         self.normalized_layers = set(config.dedicated_layers or ()) if keys and config.dedicated_key_norm else set()
         self.head_dim = target.head_dim
 

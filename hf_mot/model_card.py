@@ -50,6 +50,8 @@ def render_model_card(
         )
         if config.dedicated_previous_tokens:
             paths += f" and the target's embeddings of the {config.dedicated_previous_tokens} tokens before each token"
+            if config.dedicated_previous_tokens_keys_only:
+                paths += " (the key maps only)"
     if config.target_adapter:
         paths += (
             f", and a LoRA on the target's query projections of those layers ({config.target_adapter}/, a PEFT "

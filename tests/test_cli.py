@@ -171,12 +171,13 @@ def test_fit_layers_writes_a_fitted_translator(dirs, tmp_path):
     output = tmp_path / "fitted"
     pair = ("--source", dirs / "src", "--target", dirs / "tgt", "--translator", dirs / "translator")
     result = _hf_mot("fit-layers", *pair, "--output-dir", output, "--pairs", 4, "--validation-pairs", 2,
-                     "--context-words", 20, 30, "--epochs", 1, "--previous-tokens", 1)
+                     "--context-words", 20, 30, "--epochs", 1, "--previous-tokens", 1,
+                     "--previous-tokens-keys-only")
     assert result.returncode == 0, result.stderr[-2000:]
     fitted = MoTTranslator.from_pretrained(output)
     # The tiny Gemma 3's one full-attention layer, and its key norm.
     assert fitted.config.dedicated_layers == [1] and fitted.config.dedicated_key_norm
-    assert fitted.config.dedicated_previous_tokens == 1
+    assert fitted.config.dedicated_previous_tokens == 1 and fitted.config.dedicated_previous_tokens_keys_only
     assert fitted.key_mixture.dedicated.weight.abs().sum() > 0
     report = json.loads((output / "layer_fit.json").read_text())
     assert report["command"].startswith("hf-mot fit-layers") and len(report["distilled"]["kl"]) == 1

@@ -234,6 +234,25 @@ def test_maps_that_read_the_tokens_before(tmp_path):
     torch.testing.assert_close(again.layers[FULL[0]].keys, alone.layers[FULL[0]].keys)
 
 
+def test_previous_tokens_in_the_key_maps_only(tmp_path):
+    """`previous_tokens_keys_only` widens the key maps alone: the value maps and what the fit records for them read
+    each token as before, and the setting survives saving."""
+    source, target, translator, char, bpe = _pair_translator()
+    plain = with_dedicated_layers(translator, FULL, [0, 1], key_norm=True)
+    keys_only = with_dedicated_layers(translator, FULL, [0, 1], key_norm=True, previous_tokens=2,
+                                      previous_tokens_keys_only=True)
+    width = target.config.hidden_size
+    assert keys_only.key_mixture.dedicated.in_features == plain.key_mixture.dedicated.in_features + 2 * width
+    assert keys_only.value_mixture.dedicated.in_features == plain.value_mixture.dedicated.in_features
+    record = record_pair(keys_only, source, char, target, bpe, CONTEXTS[1], "\n\nQuestion: who?\nAnswer: the cat")
+    assert record.key_inputs.shape[1] == keys_only.key_mixture.dedicated.in_features
+    assert record.value_inputs.shape[1] == plain.value_mixture.dedicated.in_features
+    keys_only.save_pretrained(tmp_path)
+    loaded = MoTTranslator.from_pretrained(tmp_path)
+    assert loaded.config.dedicated_previous_tokens_keys_only
+    assert loaded.value_mixture.dedicated.in_features == plain.value_mixture.dedicated.in_features
+
+
 def test_config_refuses_previous_tokens_without_token_embeddings():
     config, target = tiny_model("llama").config, tiny_model("gemma3-deep").config
     with pytest.raises(ValueError, match="need `dedicated_layers`"):
@@ -241,6 +260,9 @@ def test_config_refuses_previous_tokens_without_token_embeddings():
     with pytest.raises(ValueError, match="whole number >= 0"):
         MoTConfig.from_models(config, target, dedicated_layers=[3], dedicated_source_layers=[0],
                               dedicated_previous_tokens=-1)
+    with pytest.raises(ValueError, match="needs `dedicated_previous_tokens` >= 1"):
+        MoTConfig.from_models(config, target, dedicated_layers=[3], dedicated_source_layers=[0],
+                              dedicated_previous_tokens_keys_only=True)
     with pytest.raises(ValueError, match="read the target's token embeddings"):
         MoTConfig.from_models(config, target, target_tokens=False, dedicated_layers=[3], dedicated_source_layers=[0],
                               dedicated_previous_tokens=1)

@@ -406,6 +406,7 @@ def default_source_layers(num_layers: int, count: int = 10) -> list[int]:
 def with_dedicated_layers(
     translator: MoTTranslator, layers: list[int], source_layers: list[int], key_norm: bool,
     bottom_layers: int | None = None, target_config=None, previous_tokens: int = 0,
+    previous_tokens_keys_only: bool = False,
 ) -> MoTTranslator:
     """A copy of `translator` with (zero) dedicated maps for `layers`, reading `source_layers`: it translates exactly
     as `translator` does until they are fitted (apart from key normalisation, with `key_norm`).
@@ -413,7 +414,8 @@ def with_dedicated_layers(
     With `bottom_layers`, the maps read the target's residual stream entering that layer in place of its token
     embeddings (`MoTConfig.dedicated_bottom_layers`), and the copy's recommended `recompute` becomes what reading the
     layers below costs (`target_config`, the target model's config, prices it). With `previous_tokens`, the maps also
-    read the target's embeddings of that many tokens before each token (`MoTConfig.dedicated_previous_tokens`)."""
+    read the target's embeddings of that many tokens before each token (`MoTConfig.dedicated_previous_tokens`); with
+    `previous_tokens_keys_only`, only the key maps do."""
     if translator.config.architecture != "mixture":
         raise ValueError("Dedicated layers need a mixture translator (`architecture='mixture'`).")
     if translator.config.dedicated_layers:
@@ -426,6 +428,7 @@ def with_dedicated_layers(
     config.dedicated_key_norm = key_norm
     config.dedicated_bottom_layers = bottom_layers
     config.dedicated_previous_tokens = previous_tokens
+    config.dedicated_previous_tokens_keys_only = previous_tokens_keys_only
     config._check_dedicated_layers()
     if bottom_layers is not None:
         if target_config is None:
