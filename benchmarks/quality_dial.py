@@ -7,17 +7,19 @@ For every context, side by side:
   read once per context and given (the shared-document case translation is for);
 - `bottom r` for each `--bottom` r: `translate_context(..., recompute=r, strategy="bottom")`, the same budget
   spent on the target reading its bottom layers itself, the translation above them;
+- `deviation r` for each `--deviation` r: `translate_context(..., recompute=r, strategy="deviation")`, the same
+  budget spent on the tokens whose translation deviates most, recomputed at their places;
 - `control r`: the target reads only the `floor(r * tokens)` tokens the dial would have it recompute, and no
   translation; at r = 0 that is no context at all. A dial setting is worth its translation only above this line;
 - `no_context`: the floor.
 
 Retention is a condition's mean score over the native mean score, with a 95% bootstrap interval from
 resampling contexts (paired: the same resample for both means); `paired` in the JSON (and printed for all contexts)
-holds differences over the same contexts: each setting minus its control and minus pure translation, and pure
-translation minus each `--compare` translator. Speed-up is the native prefill's time over the
-condition's time to give the target its context (median over contexts, bootstrap interval), with the source
-cache given, and also counting the source's own prefill. Times include tokenizing and aligning; answers are
-greedy and not timed.
+holds differences over the same contexts: each setting minus its control and minus pure translation, each other
+strategy minus the tail at the same budget, and pure translation minus each `--compare` translator. Speed-up is
+the native prefill's time over the condition's time to give the target its context (median over contexts,
+bootstrap interval), with the source cache given, and also counting the source's own prefill. Times include
+tokenizing and aligning; answers are greedy and not timed.
 
 Beside retention, `answer found` is the share of questions whose reply contains a gold answer as whole words
 (`hf_mot.evaluation.metrics.answer_found`), native's in brackets: token F1 also counts phrasing ("He works as a
@@ -98,7 +100,8 @@ def _answers(questions, target, target_tok, cache, mask) -> dict:
 
 
 @torch.no_grad()
-def measure(item, budgets, translator, source, source_tok, target, target_tok, compare=None, bottom=()) -> dict:
+def measure(item, budgets, translator, source, source_tok, target, target_tok, compare=None, others=()) -> dict:
+    """One context under every setting; `others` holds `(strategy, r)` pairs measured beside the tail."""
     task, context, questions = item
     row = {"task": task, "questions": [q.question for q in questions]}
     target_enc = encode_contexts(target_tok, [context])
@@ -120,8 +123,8 @@ def measure(item, budgets, translator, source, source_tok, target, target_tok, c
 
     for name, (other, r, strategy) in (compare or {}).items():
         row[name] = translated(other, r, strategy)
-    for r in bottom:
-        row[f"bottom {r:g}"] = translated(translator, r, "bottom")
+    for strategy, r in others:
+        row[f"{strategy} {r:g}"] = translated(translator, r, strategy)
     for r in budgets:
         row[f"recompute={r:g}"] = translated(translator, r)
         tail = int(r * tokens)
@@ -153,7 +156,7 @@ def _context_scores(rows: list[dict], name: str) -> list[float]:
 
 
 def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, compare: tuple[str, ...] = (),
-              bottom: tuple[float, ...] = ()) -> dict:
+              others: tuple[tuple[str, float], ...] = ()) -> dict:
     """Per task (and all tasks pooled): per condition mean score, retention and speed-ups, with intervals."""
     tasks = sorted({r["task"] for r in rows}) + ["all"]
     out = {}
@@ -181,7 +184,7 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
                         resamples, 1)
             return entry
 
-        names = ["no_context", *compare] + [f"recompute={r:g}" for r in budgets] + [f"bottom {r:g}" for r in bottom]
+        names = ["no_context", *compare] + [f"recompute={r:g}" for r in budgets] + [f"{k} {r:g}" for k, r in others]
         names += [f"control {r:g}" for r in budgets if all(f"control {r:g}" in row for row in chosen)]
         out[task] = {"contexts": len(chosen), "questions": sum(len(r["native"]) for r in chosen),
                      "context_tokens": statistics.median(r["context_tokens"] for r in chosen),
@@ -192,11 +195,14 @@ def summarize(rows: list[dict], budgets: list[float], resamples: int = 2000, com
     return out
 
 
-def paired(rows: list[dict], budgets: list[float], compare: tuple[str, ...] = (), resamples: int = 2000) -> dict:
+def paired(rows: list[dict], budgets: list[float], compare: tuple[str, ...] = (), resamples: int = 2000,
+           others: tuple[tuple[str, float], ...] = ()) -> dict:
     """Differences over the same contexts, per task and all pooled, as points of native score: each dial setting
-    minus its control, each setting above 0 minus pure translation, pure translation minus each compared
-    translator; with a paired 95% bootstrap interval and how many contexts score higher and lower."""
+    minus its control, each setting above 0 minus pure translation, each other strategy minus the tail at its
+    budget, pure translation minus each compared translator; with a paired 95% bootstrap interval and how many
+    contexts score higher and lower."""
     pairs = [(f"control {r:g}", f"recompute={r:g}") for r in budgets]
+    pairs += [(f"recompute={r:g}", f"{k} {r:g}") for k, r in others if r in budgets]
     pairs += [("recompute=0", f"recompute={r:g}") for r in budgets if r > 0 and 0 in budgets]
     pairs += [(name, "recompute=0") for name in compare if 0 in budgets]
     out = {}
@@ -221,14 +227,15 @@ def paired(rows: list[dict], budgets: list[float], compare: tuple[str, ...] = ()
     return out
 
 
-def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (), bottom: tuple[float, ...] = ()) -> str:
+def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (),
+          others: tuple[tuple[str, float], ...] = ()) -> str:
     lines = ["| task | contexts | tokens | native score | setting | score | retention [95% CI] | answer found "
              "(native) | speed-up [95% CI] | with source prefill |", "|---|---|---|---|---|---|---|---|---|---|"]
     for task, s in summary.items():
         head = f"| {task} | {s['contexts']} | {s['context_tokens']:.0f} | {s['native_score']:.3f} "
         native_found = f"({100 * s['native_found']:.0f}%)"
         settings = [f"{kind}{r:g}" for r in budgets for kind in ("recompute=", "control ")]
-        settings += [f"bottom {r:g}" for r in bottom]
+        settings += [f"{k} {r:g}" for k, r in others]
         for name in ["no_context", *compare, *settings]:
             if name not in s:
                 continue
@@ -242,8 +249,17 @@ def table(summary: dict, budgets: list[float], compare: tuple[str, ...] = (), bo
     return "\n".join(lines)
 
 
+# A bootstrap interval of a ratio over few contexts need not contain the ratio itself: no bar below zero then.
+def _below(entry: dict) -> float:
+    return max(0.0, 100 * (entry["retention"] - entry["retention_interval"][0]))
+
+
+def _above(entry: dict) -> float:
+    return max(0.0, 100 * (entry["retention_interval"][1] - entry["retention"]))
+
+
 def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ...] = (),
-         bottom: tuple[float, ...] = (), recommended: float | None = None) -> Path | None:
+         others: tuple[tuple[str, float], ...] = (), recommended: float | None = None) -> Path | None:
     """One panel per task; `recommended`, the translator's recommended `recompute`, is ringed where measured."""
     plt = pyplot()
     if plt is None:
@@ -259,9 +275,11 @@ def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ..
     for ax, task in zip(axes.flat, tasks, strict=False):
         s = summary[task]
         labels = {"recompute=": "translate + recompute the tail", "control ": "control: recompute only",
-                  "bottom ": "translate + read the bottom layers"}
+                  "bottom ": "translate + read the bottom layers",
+                  "deviation ": "translate + recompute the most deviating tokens"}
         for kind, style, values in (("recompute=", "o-", budgets), ("control ", "s--", budgets),
-                                    ("bottom ", "^-", bottom)):
+                                    ("bottom ", "^-", [r for k, r in others if k == "bottom"]),
+                                    ("deviation ", "v-", [r for k, r in others if k == "deviation"])):
             points = [(s[f"{kind}{r:g}"], r) for r in values if f"{kind}{r:g}" in s]
             if kind == "control " and "no_context" in s:
                 points = [(s["no_context"] | {"speedup": float("nan")}, 0.0)] + points
@@ -270,16 +288,14 @@ def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ..
                 continue
             xs = [e["speedup"] for e, _ in points]
             ys = [100 * e["retention"] for e, _ in points]
-            errors = [[100 * (e["retention"] - e["retention_interval"][0]) for e, _ in points],
-                      [100 * (e["retention_interval"][1] - e["retention"]) for e, _ in points]]
+            errors = [[_below(e) for e, _ in points], [_above(e) for e, _ in points]]
             ax.errorbar(xs, ys, yerr=errors, fmt=style, capsize=2, label=labels[kind])
             for x, y, (_, r) in zip(xs, ys, points, strict=True):
                 ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
         for name in compare:
             e = s[name]
             ax.errorbar([e["speedup"]], [100 * e["retention"]], fmt="D", capsize=2, label=name,
-                        yerr=[[100 * (e["retention"] - e["retention_interval"][0])],
-                              [100 * (e["retention_interval"][1] - e["retention"])]])
+                        yerr=[[_below(e)], [_above(e)]])
         point = s.get(f"recompute={recommended:g}") if recommended is not None else None
         if point is not None and point.get("speedup") == point.get("speedup"):
             ax.plot([point["speedup"]], [100 * point["retention"]], "o", markersize=14, markerfacecolor="none",
@@ -319,6 +335,9 @@ def main() -> None:
     parser.add_argument("--bottom", type=float, nargs="*", default=[],
                         help="budgets r in (0, 1) also spent on the target reading its bottom layers "
                              "(strategy='bottom'), beside the tail (default: none)")
+    parser.add_argument("--deviation", type=float, nargs="*", default=[],
+                        help="budgets r in (0, 1) also spent on recomputing the tokens whose translation deviates "
+                             "most (strategy='deviation'), beside the tail (default: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/quality_dial.json"))
     args = parser.parse_args()
@@ -328,7 +347,10 @@ def main() -> None:
         parser.error(f"--budgets must lie in [0, 1): 1 is the native point, always measured; got {args.budgets}.")
     if any(not 0 < r < 1 for r in args.bottom):
         parser.error(f"--bottom must lie in (0, 1): r = 0 reads no layer; got {args.bottom}.")
+    if any(not 0 < r < 1 for r in args.deviation):
+        parser.error(f"--deviation must lie in (0, 1): r = 0 recomputes nothing; got {args.deviation}.")
     bottom = tuple(args.bottom)
+    others = tuple(("bottom", r) for r in bottom) + tuple(("deviation", r) for r in args.deviation)
 
     source, source_tok = load_model(args.source)
     target, target_tok = load_model(args.target)
@@ -352,22 +374,22 @@ def main() -> None:
     names = tuple(compare)
     items = _items(args, target_tok)
     # Once untimed first: the first calls pay one-off costs (kernel selection, allocations, the first-token cache).
-    measure(items[0], args.budgets, translator, source, source_tok, target, target_tok, compare, bottom)
+    measure(items[0], args.budgets, translator, source, source_tok, target, target_tok, compare, others)
     rows = []
 
     def report(complete: bool) -> dict:
-        summary = summarize(rows, args.budgets, compare=names, bottom=bottom)
+        summary = summarize(rows, args.budgets, compare=names, others=others)
         return {
             "command": "python " + " ".join(sys.argv), "machine": machine_info(), "complete": complete,
             "models": {"source": args.source, "target": args.target, "translator": args.translator,
                        "compare": dict(spec.split("=", 1) for spec in args.compare)},
-            "budgets": args.budgets, "bottom": list(bottom), "summary": summary,
-            "table": table(summary, args.budgets, names, bottom),
-            "paired": paired(rows, args.budgets, names), "rows": rows,
+            "budgets": args.budgets, "bottom": list(bottom), "deviation": args.deviation, "summary": summary,
+            "table": table(summary, args.budgets, names, others),
+            "paired": paired(rows, args.budgets, names, others=others), "rows": rows,
         }
 
     for item in tqdm(items, desc="contexts"):
-        rows.append(measure(item, args.budgets, translator, source, source_tok, target, target_tok, compare, bottom))
+        rows.append(measure(item, args.budgets, translator, source, source_tok, target, target_tok, compare, others))
         if len(rows) % 10 == 0:  # a long run that is stopped keeps what it measured, marked incomplete
             write_json_atomically(args.output, report(complete=False))
     final = report(complete=True)
@@ -378,7 +400,7 @@ def main() -> None:
               f"({d['higher']} contexts higher, {d['lower']} lower)")
     write_json_atomically(args.output, final)
     summary = final["summary"]
-    figure = plot(summary, args.budgets, args.output.with_suffix(".png"), names, bottom, translator.config.recompute)
+    figure = plot(summary, args.budgets, args.output.with_suffix(".png"), names, others, translator.config.recompute)
     print(f"wrote {args.output}" + (f" and {figure}" if figure else ""))
 
 

@@ -65,8 +65,12 @@ def bottom_layers_within(config, budget: float, tokens: int) -> int | None:
 class _CacheUntil(DynamicCache):
     """A `DynamicCache` of the target's config that stops the forward once layer `last` has cached its states."""
 
-    def __init__(self, config, last: int):
-        super().__init__(config=config)
+    def __init__(self, config, last: int, keep_all: bool = False):
+        # Built without the config, every layer is a plain one that keeps all tokens, sliding ones too.
+        if keep_all:
+            super().__init__()
+        else:
+            super().__init__(config=config)
         self.last = last
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -77,13 +81,14 @@ class _CacheUntil(DynamicCache):
 
 
 def read_bottom_layers(target_model: PreTrainedModel, input_ids, attention_mask, position_ids, layers: int,
-                       residual_at: int | None = None):
+                       residual_at: int | None = None, keep_all: bool = False):
     """The target's own cache of the context in layers `0 .. layers` (a `DynamicCache`), reading layers `0 ..
     layers - 1` whole and stopping in layer `layers` once it has cached its keys and values (before its
     attention): nothing above is computed.
 
     With `residual_at` (at most `layers`), also the residual stream entering that layer, `(batch, tokens, hidden)`:
-    returns `(cache, residual)` then.
+    returns `(cache, residual)` then. With `keep_all`, sliding-window layers keep every token, not only their
+    window's.
     """
     if not 0 <= layers < len(decoder_layers(target_model)) - 1:
         raise ValueError(f"`layers` must be in [0, {len(decoder_layers(target_model)) - 2}], got {layers}.")
@@ -96,7 +101,7 @@ def read_bottom_layers(target_model: PreTrainedModel, input_ids, attention_mask,
     def capture(module, args, kwargs):
         captured.append(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
 
-    cache = _CacheUntil(target_model.config, layers)
+    cache = _CacheUntil(target_model.config, layers, keep_all)
     handle = None
     if residual_at is not None:
         handle = decoder_layers(target_model)[residual_at].register_forward_pre_hook(capture, with_kwargs=True)
@@ -122,10 +127,10 @@ def place_bottom_layers(cache, bottom: DynamicCache, layers: int) -> None:
 
 
 def check_strategy(strategy: str) -> str:
-    if strategy not in ("tail", "bottom"):
+    if strategy not in ("tail", "bottom", "deviation"):
         raise ValueError(
-            f"`strategy` must be 'tail' (the target reads the last context tokens) or 'bottom' (it reads its bottom "
-            f"layers), got {strategy!r}."
+            f"`strategy` must be 'tail' (the target reads the last context tokens), 'bottom' (it reads its bottom "
+            f"layers) or 'deviation' (it recomputes the tokens whose translation deviates most), got {strategy!r}."
         )
     return strategy
 

@@ -17,6 +17,7 @@ from .bottom_layers import (
     read_bottom_layers,
 )
 from .cache import TranslatedCache
+from .chosen_tokens import choose_tokens, chosen_token_count, deviation, own_first_layer, recompute_tokens
 from .configuration_mot import check_recompute
 from .kv import (
     KVLayout,
@@ -406,7 +407,10 @@ def translate_context(
             budget pays for, which gives it its own keys and values there (and in the layer above them); the
             translation fills the layers above (`hf_mot.bottom_layers`). A translator whose dedicated maps read
             the target's residual stream (`config.dedicated_bottom_layers`) works with `"bottom"` only, its default
-            for it, and needs a `recompute` that pays for the layers below that stream.
+            for it, and needs a `recompute` that pays for the layers below that stream. `"deviation"`: the target
+            reads its layer-0 keys and values for every token (they depend on the token alone; under 1% of a
+            prefill), and recomputes the tokens whose translation there deviates most from them through every
+            layer, each at its place in the context (`hf_mot.chosen_tokens`).
 
     Returns:
         [`TranslatedCache`]: pass it to `target_model.generate()` with only the new tokens as `input_ids`.
@@ -430,14 +434,17 @@ def translate_context(
             "This translator's dedicated maps read the target's residual stream entering layer "
             f"{translator.config.dedicated_bottom_layers}: it works with `strategy='bottom'` only."
         )
-    if strategy == "bottom" and native_tail:
-        raise ValueError("`strategy='bottom'` spends `recompute` on layers, not tokens: pass `recompute`, not "
-                         "`native_tail`.")
+    if strategy in ("bottom", "deviation") and native_tail:
+        raise ValueError(f"`strategy='{strategy}'` spends `recompute` its own way, not on the last tokens: pass "
+                         "`recompute`, not `native_tail`.")
     if share == 1.0:
         return read_context(target_model, target_enc, source_id=source_model.config.name_or_path)
     if strategy == "bottom" and (share or conditioned):
         return _translate_above_bottom(translator, source_model, source_tokenizer, target_model, target_tokenizer,
                                        source_enc, target_enc, source_cache, share)
+    if strategy == "deviation" and share:
+        return _translate_recomputing_deviating(translator, source_model, source_tokenizer, target_model,
+                                                target_tokenizer, source_enc, target_enc, source_cache, share)
     if share:
         native_tail = int(share * target_enc.input_ids.shape[1])
     _check_native_tail(native_tail, target_enc.input_ids.shape[1])
@@ -483,4 +490,29 @@ def _translate_above_bottom(translator, source_model, source_tokenizer, target_m
                                    source_id=source_model.config.name_or_path, target_residual=residual)
     place_bottom_layers(cache, bottom, layers)
     cache.native_layers = layers + 1
+    return cache
+
+
+def _translate_recomputing_deviating(translator, source_model, source_tokenizer, target_model, target_tokenizer,
+                                     source_enc, target_enc, source_cache, share: float) -> TranslatedCache:
+    """`translate_context`'s `strategy="deviation"` (see `hf_mot.chosen_tokens`)."""
+    count = chosen_token_count(target_model.config, share, target_enc.input_ids.shape[1])
+    own = own_first_layer(target_model, target_enc)
+    source, alignment = read_source_and_align(source_model, source_tokenizer, target_tokenizer, source_enc,
+                                              target_enc, source_cache)
+    _check_devices(translator, source, target_model)
+    # Every token of every layer: a chosen token early in the context attends to the translation within its window.
+    translated = run_translator(translator, source, alignment, target_model, target_enc.input_ids,
+                                target_enc.attention_mask)
+    _, context_kv = fill_translated_cache(translated, target_model, target_enc)
+    chosen = choose_tokens(deviation(context_kv[0], own), target_enc.attention_mask, count)
+    context_kv[0] = own
+    cache = TranslatedCache(target_model.config, attention_mask=target_enc.attention_mask,
+                            source_id=source_model.config.name_or_path, target_id=target_model.config.name_or_path)
+    cache.target_adapter = translator.target_adapter
+    with reading_translated(cache, target_model):  # the chosen tokens' queries read the translation
+        context_kv = recompute_tokens(target_model, context_kv, target_enc, chosen)
+    for layer, (keys, values) in context_kv.items():
+        cache.place(layer, keys, values, target_enc.input_ids.shape[1])
+    cache.native_layers = 1
     return cache
