@@ -75,11 +75,13 @@ def _masks(target_model, key_positions, key_valid, query_positions, query_valid,
     allowed = key_valid[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
     allowed &= query_valid[:, :, None]
     diagonal = torch.zeros_like(allowed)
-    diagonal[:, torch.arange(queries), contexts + torch.arange(queries)] = True
+    steps = torch.arange(queries, device=allowed.device)
+    diagonal[:, steps, contexts + steps] = True
     allowed |= diagonal
 
     def additive(mask):
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)[:, None]
+        additive_mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return additive_mask.masked_fill(~mask, torch.finfo(dtype).min)[:, None]
 
     layout = KVLayout.from_config(target_model.config)
     if layout.sliding_window is None or "sliding_attention" not in layout.layer_types:

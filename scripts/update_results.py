@@ -225,6 +225,38 @@ def quality_dial() -> list[str]:
     ]
 
 
+def dial_strategies() -> list[str]:
+    """The ways to spend one budget side by side (the tail, the most deviating tokens), with the paired
+    differences at equal budget."""
+    report = load_result("quality_dial_strategies.json")
+    if report is None:
+        return []
+    machine = report["machine"]
+    differences = [
+        f"- {name}: {100 * d['difference']:+.1f} points of native [{100 * d['interval'][0]:+.1f}, "
+        f"{100 * d['interval'][1]:+.1f}] ({d['higher']} contexts higher, {d['lower']} lower)"
+        for name, d in report["paired"]["all"].items() if not name.endswith(tuple(f"control {r:g}" for r in
+                                                                                report["budgets"]))
+    ]
+    return [
+        "### Ways to spend the budget, at equal `recompute`",
+        "",
+        f"`{report['command']}`; translator `{report['models']['translator']}`; {machine['cpu']} "
+        f"({', '.join(machine['cpu_features'])}), {machine['threads']} threads. Retention and speed-up as in the "
+        "dial above; `deviation r` is `translate_context(..., recompute=r, strategy=\"deviation\")`."
+        + (f" {report['note']}" if "note" in report else ""),
+        "",
+        "Paired over the same contexts (all tasks):",
+        "",
+        *differences,
+        "",
+        report["table"],
+        "",
+        "![strategies](benchmarks/results/quality_dial_strategies.png)",
+        "",
+    ]
+
+
 def dedicated_layers() -> list[str]:
     """The translator with fitted full-attention layers against the one it started from, side by side at r = 0
     (and, from a second run, on 4,096-token needles)."""
@@ -272,6 +304,7 @@ def section(before: str = BEFORE) -> str:
         "",
         *dedicated_layers(),
         *quality_dial(),
+        *dial_strategies(),
         *fidelity(),
         *cost(),
         *vllm_ttft(),
