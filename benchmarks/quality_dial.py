@@ -264,7 +264,7 @@ def plot(summary: dict, budgets: list[float], path: Path, compare: tuple[str, ..
     plt = pyplot()
     if plt is None:
         return None
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, ScalarFormatter
 
     tasks = list(summary)
     columns = min(4, len(tasks))
