@@ -149,8 +149,9 @@ def test_quality_dial_pairs_settings_over_the_same_contexts():
     # translation the first four and a compared translator the last five.
     rows = [{"task": "needle" if i < 5 else "synthetic", "native": [1.0], "no_context": [0.0],
              "recompute=0": {"scores": [float(i < 4)]}, "recompute=0.2": {"scores": [float(i < 6)]},
-             "control 0.2": {"scores": [float(i < 2)]}, "other": {"scores": [float(i >= 5)]}} for i in range(10)]
-    out = dial.paired(rows, [0, 0.2], ("other",))["all"]
+             "control 0.2": {"scores": [float(i < 2)]}, "other": {"scores": [float(i >= 5)]},
+             "deviation 0.2": {"scores": [float(i < 3)]}} for i in range(10)]
+    out = dial.paired(rows, [0, 0.2], ("other",), others=(("deviation", 0.2), ("deviation", 0.5)))["all"]
     assert out["recompute=0.2 - control 0.2"]["difference"] == pytest.approx(0.4)
     assert (out["recompute=0.2 - control 0.2"]["higher"], out["recompute=0.2 - control 0.2"]["lower"]) == (4, 0)
     low, high = out["recompute=0.2 - control 0.2"]["interval"]
@@ -158,6 +159,10 @@ def test_quality_dial_pairs_settings_over_the_same_contexts():
     assert out["recompute=0.2 - recompute=0"]["difference"] == pytest.approx(0.2)
     other = out["recompute=0 - other"]
     assert other["difference"] == pytest.approx(-0.1) and (other["higher"], other["lower"]) == (4, 5)
+    # Another strategy against the tail at its own budget; a budget the tail was not measured at pairs with nothing.
+    strategy = out["deviation 0.2 - recompute=0.2"]
+    assert strategy["difference"] == pytest.approx(-0.3) and (strategy["higher"], strategy["lower"]) == (0, 3)
+    assert not any("0.5" in name for name in out)
 
 
 def test_quality_dial_reports_answers_found_per_context():
