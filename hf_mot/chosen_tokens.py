@@ -123,11 +123,11 @@ def recompute_tokens(
     masks = _masks(target_model, key_positions, key_valid, positions, valid, target_model.dtype)
     read_into_cache(target_model, work, ids, masks, positions)
     out = {}
-    for layer, (keys, values) in context_kv.items():
-        new_keys, new_values = work.layers[layer].keys[:, :, tokens:], work.layers[layer].values[:, :, tokens:]
-        keys, values = keys.clone(), values.clone()
+    for layer in context_kv:
+        # The work cache's context columns are its own copy of the translation: the recomputed states go there.
+        states = work.layers[layer].keys, work.layers[layer].values
         for row, where in enumerate(chosen):
-            keys[row, :, where] = new_keys[row, :, : len(where)]
-            values[row, :, where] = new_values[row, :, : len(where)]
-        out[layer] = (keys, values)
+            for both in states:
+                both[row, :, where] = both[row, :, tokens : tokens + len(where)]
+        out[layer] = tuple(both[:, :, :tokens] for both in states)
     return out

@@ -51,14 +51,18 @@ def test_identity_oracle_with_the_bottom_strategy(recompute):
     assert translated.tolist() == native.tolist()
 
 
-def test_bad_strategy_settings_are_refused():
+@pytest.mark.parametrize(("strategy", "too_small", "message"), [
+    ("bottom", 0.01, "does not pay for the target's first layer"),
+    ("deviation", 0.001, "does not pay for the target's layer-0 keys"),  # the layer-0 read it chooses tokens by
+])
+def test_bad_strategy_settings_are_refused(strategy, too_small, message):
     source, target, translator = _pair()
     with pytest.raises(ValueError, match="`strategy` must be"):
         _translate(CONTEXTS[0], translator, source, target, recompute=0.5, strategy="sideways")
     with pytest.raises(ValueError, match="not `native_tail`"):
-        _translate(CONTEXTS[0], translator, source, target, native_tail=4, strategy="bottom")
-    with pytest.raises(ValueError, match="does not pay for the target's first layer"):
-        _translate(CONTEXTS[0], translator, source, target, recompute=0.01, strategy="bottom")
+        _translate(CONTEXTS[0], translator, source, target, native_tail=4, strategy=strategy)
+    with pytest.raises(ValueError, match=message):
+        _translate(CONTEXTS[0], translator, source, target, recompute=too_small, strategy=strategy)
 
 
 def test_gemma3_cost_model(gemma3):

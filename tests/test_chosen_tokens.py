@@ -92,11 +92,3 @@ def test_the_most_deviating_tokens_are_recomputed_and_the_rest_translated():
         score[row, ~real[row]] = -2
         expected = set(score[row].topk(count).indices.tolist())
         assert set(changed[row].nonzero().flatten().tolist()) == expected
-
-
-def test_a_budget_below_the_first_layer_is_refused():
-    source, target, translator = _pair()
-    with pytest.raises(ValueError, match="does not pay for the target's layer-0 keys"):
-        _translate(CONTEXTS[0], translator, source, target, recompute=0.001, strategy="deviation")
-    with pytest.raises(ValueError, match="not `native_tail`"):
-        _translate(CONTEXTS[0], translator, source, target, native_tail=4, strategy="deviation")
