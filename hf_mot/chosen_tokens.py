@@ -125,9 +125,11 @@ def recompute_tokens(
     out = {}
     for layer in context_kv:
         # The work cache's context columns are its own copy of the translation: the recomputed states go there.
+        # The copy of the source columns is needed: with one key/value head, writing a tensor's columns from a view
+        # of the same tensor is refused as overlapping memory.
         states = work.layers[layer].keys, work.layers[layer].values
         for row, where in enumerate(chosen):
             for both in states:
-                both[row, :, where] = both[row, :, tokens : tokens + len(where)]
+                both[row, :, where] = both[row, :, tokens : tokens + len(where)].clone()
         out[layer] = tuple(both[:, :, :tokens] for both in states)
     return out

@@ -17,7 +17,7 @@ from hf_mot.pipeline import encode_pair, fill_translated_cache, read_into_cache,
 BATCH = [CONTEXTS[0], CONTEXTS[2][:30], CONTEXTS[4]]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama", "opt"])
+@pytest.mark.parametrize("family", ["gemma3", "llama", "opt", "qwen2"])  # qwen2: one key/value head, as Gemma-3-270M
 @pytest.mark.parametrize("recompute", [0.2, 0.7])
 def test_identity_oracle_the_cache_is_the_targets_own(family, recompute):
     """With an exact translation, recomputing chosen tokens in place gives exactly the target's own cache: a

@@ -72,6 +72,35 @@ def test_reproduces_its_published_fidelity(request, repo_id, pair, target_hub_id
     assert abs(summary["top1_agreement"] - top1) < 0.015, summary
 
 
+@pytest.mark.parametrize("strategy", ["tail", "bottom", "deviation"])
+def test_every_strategy_runs_on_the_shipped_pair(smollm2, gemma3, strategy):
+    """The real pair at the dial's strategies: Gemma-3-270M has one key/value head, 18 layers with sliding windows
+    of 512, and contexts here are longer than the window, which the tiny test models do not all reproduce."""
+    import torch
+
+    from hf_mot import MoTTranslator, translate_context
+    from hf_mot.alignment import encode_contexts
+    from hf_mot.pipeline import read_context
+
+    (source, source_tok), (target, target_tok) = smollm2, gemma3
+    translator = MoTTranslator.from_pretrained(REPO_ID).eval()
+    document = (Path(__file__).parents[1] / "examples" / "cache_translation" / "document.txt").read_text()
+    context = " ".join([document] * 5)
+    tokens = encode_contexts(target_tok, [context]).input_ids.shape[1]
+    assert tokens > target.config.sliding_window
+    cache = translate_context(context, translator=translator, source_model=source, source_tokenizer=source_tok,
+                              target_model=target, target_tokenizer=target_tok, recompute=0.1, strategy=strategy)
+    assert cache.get_seq_length() == tokens
+    if strategy != "tail":  # both read the target's own layer 0 for every token
+        own = read_context(target, encode_contexts(target_tok, [context]), source_id="")
+        assert torch.allclose(cache.layers[0].keys, own.layers[0].keys, atol=1e-4)
+    prompt = target_tok(" Question: Who built the tower? Answer:", add_special_tokens=False, return_tensors="pt")
+    mask = torch.cat([cache.attention_mask, prompt.attention_mask], dim=1)
+    out = target.generate(input_ids=prompt.input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4,
+                          min_new_tokens=4, do_sample=False)
+    assert out.shape[1] == prompt.input_ids.shape[1] + 4
+
+
 def test_info_reports_the_measured_figures_offline(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     result = subprocess.run([sys.executable, "-m", "hf_mot.cli", "info", REPO_ID], env=env, capture_output=True,
