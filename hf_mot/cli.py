@@ -84,7 +84,7 @@ def _generate(args: argparse.Namespace) -> None:
         return translate_context(
             context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
             target_tokenizer=target_tok, source_cache=source_cache, native_tail=args.native_tail,
-            recompute=args.recompute,
+            recompute=args.recompute, strategy=args.strategy,
         )
 
     target_ids = encode_contexts(target_tok, [context]).input_ids
@@ -114,6 +114,10 @@ def _generate(args: argparse.Namespace) -> None:
     print(f"target's own answer (it reads the context itself): {answer(native_cache, own_mask)}")
     tokens, read = cache.num_context_tokens, cache.native_tokens  # the cache has grown by the answer
     how = f" (last {read} read natively)" if 0 < read < tokens else " (all read natively)" if read else ""
+    if args.strategy == "deviation" and read < tokens:
+        how = " (layer 0 and the most deviating tokens read natively)"
+    elif cache.native_layers and read < tokens:
+        how = f" (layers 0-{cache.native_layers - 1} read natively)"
     print(
         f"context: {tokens} target tokens; translation{how}: "
         f"{translate_s:.3f} s; native prefill of the target: {native_s:.3f} s ({native_s / translate_s:.1f}x)"
@@ -127,10 +131,10 @@ def _translate(args: argparse.Namespace) -> None:
 
     if args.output is not None and not str(args.output).endswith(".safetensors"):
         raise ValueError(f"--output must end in .safetensors, got {args.output}.")
-    if args.to_vllm_store is not None and (args.native_tail or args.recompute is not None):
+    if args.to_vllm_store is not None and (args.native_tail or args.recompute is not None or args.strategy):
         raise ValueError(
             "--to-vllm-store writes the whole translation; the connector applies the dial when it serves the entry "
-            "(its `recompute` setting, or the request's). Drop --native-tail/--recompute."
+            "(its `recompute` setting, or the request's). Drop --native-tail/--recompute/--strategy."
         )
     context = _read_context(args)
     source, source_tok, target, target_tok, translator, _ = _load_pair(args)
@@ -153,7 +157,7 @@ def _translate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     cache = translate_context(
         context, translator=translator, source_model=source, source_tokenizer=source_tok, target_model=target,
-        target_tokenizer=target_tok, native_tail=args.native_tail, recompute=args.recompute,
+        target_tokenizer=target_tok, native_tail=args.native_tail, recompute=args.recompute, strategy=args.strategy,
     )
     seconds = time.perf_counter() - start
     cache.save(args.output)
@@ -317,6 +321,12 @@ def _add_pair_arguments(parser: argparse.ArgumentParser, *, context: bool) -> No
             help="the speed/quality dial: the share of a native prefill the target may spend reading the context "
                  "itself, from 0 (pure translation) to 1 (its own prefill); default: the translator's recommended "
                  "value",
+        )
+        parser.add_argument(
+            "--strategy", choices=("tail", "bottom", "deviation"), default=None,
+            help="how --recompute is spent: 'tail' reads the last tokens, 'bottom' the bottom layers, 'deviation' "
+                 "recomputes the tokens whose translation deviates most (default: 'tail', or 'bottom' for a "
+                 "translator whose maps read the target's residual stream)",
         )
 
 
