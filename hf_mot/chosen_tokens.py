@@ -3,8 +3,9 @@ most from its own states, each at its place in the context (`strategy="deviation
 
 The target's layer-0 keys and values depend on the token alone (no attention lies below them), so it reads them
 for every token at the cost of that layer's projections (`read_bottom_layers(..., 0)`, under 1% of a prefill on
-Gemma 3) and puts them in place of the translation there. How far the translation was from them picks the tokens:
-the rest of the budget recomputes the most deviating ones through every layer, each at its own position. A chosen
+Gemma 3) and puts them in place of the translation there. The rest of the budget recomputes tokens through every
+layer, each at its own position: half of them the last tokens, half those whose translation was furthest from the
+target's layer-0 states (`choose_tokens`). A chosen
 token attends to the translation of the tokens not chosen and to the recomputed states of the chosen tokens before
 it, under the same causal and sliding-window masks as a prefill, so with a translation that is exact (the identity
 oracle) the cache is exactly the target's own.
@@ -51,18 +52,22 @@ def deviation(translated: tuple[torch.Tensor, torch.Tensor], own: tuple[torch.Te
 
 
 def choose_tokens(score: torch.Tensor, attention_mask: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """Per row, the positions (ascending) of its `count` highest-scoring real tokens, never its first real token
-    (the target's own states already; see `pipeline.first_token_states`) nor padding; fewer in a shorter row."""
+    """Per row, the positions (ascending) of `count` real tokens: its last `count // 2`, and the highest-scoring
+    of the others; never its first real token (the target's own states already; see
+    `pipeline.first_token_states`) nor padding; fewer in a shorter row.
+
+    Half goes to the tail because the two fix different things: the last tokens make the window a question reads
+    first exact in every layer, the most deviating ones the words the translation got wrong wherever they stand.
+    Either half alone kept less on held-out QA (docs/EXPERIMENTS.md)."""
     real = attention_mask.bool()
-    first = real.long().argmax(dim=1)
-    rows = torch.arange(score.shape[0], device=score.device)
-    eligible = real.clone()
-    eligible[rows, first] = False
-    masked = score.masked_fill(~eligible, float("-inf"))
     chosen = []
     for row in range(score.shape[0]):
-        k = min(count, int(eligible[row].sum()))
-        chosen.append(masked[row].topk(k).indices.sort().values)
+        positions = real[row].nonzero().flatten()[1:]
+        k = min(count, len(positions))
+        split = len(positions) - k // 2
+        rest = positions[:split]
+        top = rest[score[row, rest].topk(k - (len(positions) - split)).indices]
+        chosen.append(torch.cat([top, positions[split:]]).sort().values)
     return chosen
 
 

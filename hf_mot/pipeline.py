@@ -409,8 +409,8 @@ def translate_context(
             the target's residual stream (`config.dedicated_bottom_layers`) works with `"bottom"` only, its default
             for it, and needs a `recompute` that pays for the layers below that stream. `"deviation"`: the target
             reads its layer-0 keys and values for every token (they depend on the token alone; under 1% of a
-            prefill), and recomputes the tokens whose translation there deviates most from them through every
-            layer, each at its place in the context (`hf_mot.chosen_tokens`).
+            prefill), and recomputes tokens through every layer, each at its place in the context: half the last
+            ones, half those whose translation there deviates most from them (`hf_mot.chosen_tokens`).
 
     Returns:
         [`TranslatedCache`]: pass it to `target_model.generate()` with only the new tokens as `input_ids`.
