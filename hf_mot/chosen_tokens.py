@@ -1,11 +1,11 @@
-"""The dial's third way to spend its budget: the target recomputes the context tokens whose translation deviates
-most from its own states, each at its place in the context (`strategy="deviation"`).
+"""The dial's third way to spend its budget: the target recomputes chosen context tokens, each at its place in the
+context (`strategy="deviation"`): half of them the last tokens, half those whose translation deviates most from
+its own states.
 
 The target's layer-0 keys and values depend on the token alone (no attention lies below them), so it reads them
 for every token at the cost of that layer's projections (`read_bottom_layers(..., 0)`, under 1% of a prefill on
-Gemma 3) and puts them in place of the translation there. The rest of the budget recomputes tokens through every
-layer, each at its own position: half of them the last tokens, half those whose translation was furthest from the
-target's layer-0 states (`choose_tokens`). A chosen
+Gemma 3) and puts them in place of the translation there; how far the translation was from them scores the tokens
+(`deviation`, `choose_tokens`). The rest of the budget recomputes the chosen tokens through every layer. A chosen
 token attends to the translation of the tokens not chosen and to the recomputed states of the chosen tokens before
 it, under the same causal and sliding-window masks as a prefill, so with a translation that is exact (the identity
 oracle) the cache is exactly the target's own.

@@ -115,7 +115,7 @@ def _generate(args: argparse.Namespace) -> None:
     tokens, read = cache.num_context_tokens, cache.native_tokens  # the cache has grown by the answer
     how = f" (last {read} read natively)" if 0 < read < tokens else " (all read natively)" if read else ""
     if args.strategy == "deviation" and read < tokens:
-        how = " (layer 0 and the most deviating tokens read natively)"
+        how = " (layer 0, the last tokens and the most deviating read natively)"
     elif cache.native_layers and read < tokens:
         how = f" (layers 0-{cache.native_layers - 1} read natively)"
     print(
@@ -325,8 +325,8 @@ def _add_pair_arguments(parser: argparse.ArgumentParser, *, context: bool) -> No
         parser.add_argument(
             "--strategy", choices=("tail", "bottom", "deviation"), default=None,
             help="how --recompute is spent: 'tail' reads the last tokens, 'bottom' the bottom layers, 'deviation' "
-                 "recomputes the tokens whose translation deviates most (default: 'tail', or 'bottom' for a "
-                 "translator whose maps read the target's residual stream)",
+                 "recomputes the last tokens and those whose translation deviates most (default: 'tail', or "
+                 "'bottom' for a translator whose maps read the target's residual stream)",
         )
 
 

@@ -64,7 +64,7 @@ def test_generate_with_a_native_tail(dirs):
     assert "`native_tail=8` leaves nothing to translate" in result.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("strategy, read", [("bottom", "(layers 0-"), ("deviation", "(layer 0 and the most")])
+@pytest.mark.parametrize("strategy, read", [("bottom", "(layers 0-"), ("deviation", "(layer 0, the last tokens")])
 def test_generate_spends_the_budget_by_strategy(dirs, strategy, read):
     lines = _generate_on_the_document(dirs, "--recompute", "0.5", "--strategy", strategy, "--max-new-tokens", "4")
     assert f"translation {read}" in lines[2]
