@@ -113,11 +113,14 @@ def _generate(args: argparse.Namespace) -> None:
     own_mask = torch.ones(1, target_ids.shape[1] + prompt.shape[1], dtype=torch.long)
     print(f"target's own answer (it reads the context itself): {answer(native_cache, own_mask)}")
     tokens, read = cache.num_context_tokens, cache.native_tokens  # the cache has grown by the answer
-    how = f" (last {read} read natively)" if 0 < read < tokens else " (all read natively)" if read else ""
-    if args.strategy == "deviation" and read < tokens:
+    if read == tokens:
+        how = " (all read natively)"
+    elif cache.native_layers and args.strategy == "deviation":
         how = " (layer 0, the last tokens and the most deviating read natively)"
-    elif cache.native_layers and read < tokens:
+    elif cache.native_layers:
         how = f" (layers 0-{cache.native_layers - 1} read natively)"
+    else:
+        how = f" (last {read} read natively)" if read else ""
     print(
         f"context: {tokens} target tokens; translation{how}: "
         f"{translate_s:.3f} s; native prefill of the target: {native_s:.3f} s ({native_s / translate_s:.1f}x)"

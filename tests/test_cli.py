@@ -64,10 +64,12 @@ def test_generate_with_a_native_tail(dirs):
     assert "`native_tail=8` leaves nothing to translate" in result.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("strategy, read", [("bottom", "(layers 0-"), ("deviation", "(layer 0, the last tokens")])
-def test_generate_spends_the_budget_by_strategy(dirs, strategy, read):
-    lines = _generate_on_the_document(dirs, "--recompute", "0.5", "--strategy", strategy, "--max-new-tokens", "4")
-    assert f"translation {read}" in lines[2]
+@pytest.mark.parametrize("strategy, recompute, read", [("bottom", "0.5", " (layers 0-"),
+                                                      ("deviation", "0.5", " (layer 0, the last tokens"),
+                                                      ("deviation", "0", ": ")])  # r = 0: pure translation
+def test_generate_spends_the_budget_by_strategy(dirs, strategy, recompute, read):
+    lines = _generate_on_the_document(dirs, "--recompute", recompute, "--strategy", strategy, "--max-new-tokens", "4")
+    assert f"translation{read}" in lines[2]
 
 
 def test_a_translator_brings_the_models_it_was_built_for(dirs):
