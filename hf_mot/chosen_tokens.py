@@ -66,7 +66,7 @@ def choose_tokens(score: torch.Tensor, attention_mask: torch.Tensor, count: int)
         k = min(count, len(positions))
         split = len(positions) - k // 2
         rest = positions[:split]
-        top = rest[score[row, rest].topk(k - (len(positions) - split)).indices]
+        top = rest[score[row, rest].topk(k - k // 2).indices]
         chosen.append(torch.cat([top, positions[split:]]).sort().values)
     return chosen
 

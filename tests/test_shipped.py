@@ -86,18 +86,18 @@ def test_every_strategy_runs_on_the_shipped_pair(smollm2, gemma3, strategy):
     translator = MoTTranslator.from_pretrained(REPO_ID).eval()
     document = (Path(__file__).parents[1] / "examples" / "cache_translation" / "document.txt").read_text()
     context = " ".join([document] * 5)
-    tokens = encode_contexts(target_tok, [context]).input_ids.shape[1]
+    encoded = encode_contexts(target_tok, [context])
+    tokens = encoded.input_ids.shape[1]
     assert tokens > target.config.sliding_window
     cache = translate_context(context, translator=translator, source_model=source, source_tokenizer=source_tok,
                               target_model=target, target_tokenizer=target_tok, recompute=0.1, strategy=strategy)
     assert cache.get_seq_length() == tokens
     if strategy != "tail":  # both read the target's own layer 0 for every token
-        own = read_context(target, encode_contexts(target_tok, [context]), source_id="")
+        own = read_context(target, encoded)
         assert torch.allclose(cache.layers[0].keys, own.layers[0].keys, atol=1e-4)
     prompt = target_tok(" Question: Who built the tower? Answer:", add_special_tokens=False, return_tensors="pt")
-    mask = torch.cat([cache.attention_mask, prompt.attention_mask], dim=1)
-    out = target.generate(input_ids=prompt.input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4,
-                          min_new_tokens=4, do_sample=False)
+    out = target.generate(input_ids=prompt.input_ids, attention_mask=cache.generation_mask(prompt.input_ids.shape[1]),
+                          past_key_values=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape[1] == prompt.input_ids.shape[1] + 4
 
 
